@@ -1,0 +1,40 @@
+# The two commands of the README:
+#   make demo   builds the tiny model, serves it with `vllm serve` and sends a request
+#   make test   lint + unit + e2e tests
+# Both bootstrap .venv on first use.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export VLLM_HPU_MM_LOG_LEVEL ?= INFO
+
+.PHONY: venv demo test test-unit test-e2e lint format models clean
+
+venv:
+	@bash scripts/bootstrap.sh
+
+models: venv
+	@$(PY) -m vllm_hpu_mm.tools.build_tiny_models --out models
+
+demo: models
+	@bash scripts/demo.sh
+
+lint: venv
+	$(VENV)/bin/ruff check vllm_hpu_mm hpu_kernels tests benchmarks scripts
+	$(VENV)/bin/ruff format --check vllm_hpu_mm hpu_kernels tests benchmarks scripts
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff check --fix vllm_hpu_mm hpu_kernels tests benchmarks scripts
+	$(VENV)/bin/ruff format vllm_hpu_mm hpu_kernels tests benchmarks scripts
+
+test-unit: venv
+	$(VENV)/bin/pytest -q tests/unit
+
+test-e2e: models
+	$(VENV)/bin/pytest -q tests/e2e
+
+test: lint models
+	$(VENV)/bin/pytest -q tests
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .mypy_cache .ruff_cache

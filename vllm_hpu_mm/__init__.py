@@ -1,0 +1,30 @@
+"""vllm-hpu-mm: a vLLM platform plugin for Intel Gaudi (HPU), multimodal first.
+
+Importing this package only defines things. vLLM calls the two entry points:
+
+- ``register()`` (group ``vllm.platform_plugins``) returns the dotted path of the
+  platform class, so vLLM picks our platform over its built-in ones;
+- ``register_models()`` (group ``vllm.general_plugins``) registers the models that
+  this plugin adds or adapts, in every process that runs a model.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+PLATFORM_CLS = "vllm_hpu_mm.platform.HpuMMPlatform"
+
+
+def register() -> str | None:
+    """Platform plugin entry point: the platform's class path (lazy import)."""
+    from vllm_hpu_mm.device import select_device
+
+    select_device()  # logs once which device was chosen and why
+    return PLATFORM_CLS
+
+
+def register_models() -> None:
+    """General plugin entry point: out-of-tree model registrations."""
+    from vllm_hpu_mm.models import register_all
+
+    register_all()

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-PLATFORM_CLS = "vllm_hpu_mm.platform.HpuMMPlatform"
+_PLATFORM_CLS = {
+    "hpu": "vllm_hpu_mm.platform.HpuMMPlatform",
+    "cuda": "vllm_hpu_mm.platform.CudaMMPlatform",
+    "cpu": "vllm_hpu_mm.platform.CpuMMPlatform",
+}
 
 
 def register() -> str | None:
     """Platform plugin entry point: the platform's class path (lazy import)."""
     from vllm_hpu_mm.device import select_device
 
-    select_device()  # logs once which device was chosen and why
-    return PLATFORM_CLS
+    # Logs once which device was chosen and why.
+    return _PLATFORM_CLS[select_device().kind]
 
 
 def register_models() -> None:

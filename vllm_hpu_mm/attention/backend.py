@@ -1,0 +1,203 @@
+"""vLLM attention backend of the plugin: pure-PyTorch paged attention.
+
+The model's ``Attention`` layers call ``HpuMMAttentionImpl.forward`` with the
+step's ``HpuMMAttentionMetadata`` (set by our model runner through vLLM's forward
+context). The forward writes this step's K/V into the paged cache, then runs the
+decode rows and the prefill rows through the kernels of ``hpu_kernels``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from hpu_kernels.attention import decode_attention, prefill_attention, write_kv
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm_hpu_mm.attention.metadata import (
+    HpuMMAttentionMetadata,
+    build_metadata,
+    exact_shape,
+)
+
+
+class HpuMMAttentionBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ]
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[HpuMMAttentionImpl]:
+        return HpuMMAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[HpuMMAttentionMetadataBuilder]:
+        return HpuMMAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any head size: the kernels are plain matmuls
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **unsupported: object,
+    ) -> None:
+        problems = []
+        if alibi_slopes is not None:
+            problems.append("ALiBi slopes")
+        if logits_soft_cap:
+            problems.append(f"logits_soft_cap={logits_soft_cap}")
+        if attn_type != AttentionType.DECODER:
+            problems.append(f"attention type {attn_type!r}")
+        if kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"kv_cache_dtype={kv_cache_dtype!r}")
+        if kv_sharing_target_layer_name is not None:
+            problems.append("cross-layer KV sharing")
+        problems += [f"{k}={v!r}" for k, v in unsupported.items() if v]
+        if problems:
+            raise NotImplementedError(
+                "vllm-hpu-mm attention does not support "
+                + ", ".join(problems)
+                + "; supported: decoder self-attention with MHA/GQA/MQA and "
+                "an optional sliding window"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: HpuMMAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # query, output: [T, H, D]; key, value: [T, Hkv, D];
+        # kv_cache: [2, num_blocks, block_size, Hkv, D].
+        md = attn_metadata
+        if md is None:  # a run without KV cache (memory profiling)
+            return output.zero_()
+        write_kv(kv_cache, key, value, md.slot_mapping)
+        n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
+        if n_dec:
+            output[:n_dec] = decode_attention(
+                query[:n_dec],
+                kv_cache,
+                md.decode_block_table,
+                md.decode_seq_lens,
+                self.scale,
+                self.sliding_window,
+            )
+        if n_pre:
+            output[n_dec : n_dec + n_pre] = prefill_attention(
+                query[n_dec : n_dec + n_pre],
+                kv_cache,
+                md.prefill_token_req,
+                md.prefill_token_pos,
+                md.prefill_ctx_blocks,
+                md.prefill_ctx_block_req,
+                md.prefill_ctx_block_pos,
+                self.scale,
+                self.sliding_window,
+            )
+        return output
+
+
+class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetadata]):
+    """Builds our metadata from vLLM's CommonAttentionMetadata.
+
+    Our own model runner calls ``build_metadata`` directly with its bucketed
+    shape; this adapter serves vLLM code that builds metadata generically. It
+    asks vLLM to put single-token (decode) requests first, as our layout needs.
+    """
+
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,  # type: ignore[override]
+        layer_names: list[str],
+        vllm_config: object,
+        device: torch.device,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vllm_config = vllm_config  # type: ignore[assignment]
+        self.device = device
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> HpuMMAttentionMetadata:
+        cm = common_attn_metadata
+        qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+        query_lens = np.diff(qsl)
+        seq_lens = cm.seq_lens.cpu().numpy().astype(np.int64)
+        n = cm.num_actual_tokens
+        return build_metadata(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=cm.block_table_tensor.cpu().numpy().astype(np.int64),
+            slot_mapping=cm.slot_mapping[:n].cpu().numpy().astype(np.int64),
+            block_size=self.block_size,
+            shape=exact_shape(query_lens, seq_lens, self.block_size),
+            device=self.device,
+        )

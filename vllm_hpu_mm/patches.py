@@ -1,0 +1,70 @@
+"""Every unavoidable patch of vLLM or torch, in one place.
+
+Each entry says why it exists, what it changes and when it can go. Patches are
+applied by ``apply_patches()`` from the worker's ``init_device`` (never at
+import), only where their condition holds, and each at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_hpu_mm import device as dev
+
+logger = logging.getLogger("vllm.hpu_mm.patches")
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    name: str
+    why: str
+    until: str  # when it can be removed
+    applies: Callable[[], bool]
+    apply: Callable[[], None]
+
+
+def _noop(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def _empty_cache_noop(*args: object, **kwargs: object) -> None:
+    # Distinct from _noop: torch.compile keys a handler on synchronize's identity.
+    return None
+
+
+def _accelerator_noop() -> None:
+    torch.accelerator.synchronize = _noop  # type: ignore[assignment]
+    torch.accelerator.empty_cache = _empty_cache_noop  # type: ignore[assignment]
+    torch.accelerator.empty_host_cache = _noop  # type: ignore[assignment]
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="torch.accelerator no-ops on the CPU fallback",
+        why=(
+            "vLLM 0.33 calls torch.accelerator.empty_cache() in its model "
+            "loader (model_loader/base_loader.py) and empty_host_cache() at "
+            "shutdown for every non-CPU platform enum "
+            "(cleanup_dist_env_and_memory); both raise 'Cannot access "
+            "accelerator device' on a host without one"
+        ),
+        until="vLLM guards its torch.accelerator calls by platform",
+        applies=lambda: dev.device_kind() == "cpu",
+        apply=_accelerator_noop,
+    ),
+)
+
+_applied: set[str] = set()
+
+
+def apply_patches() -> None:
+    for patch in PATCHES:
+        if patch.name in _applied or not patch.applies():
+            continue
+        patch.apply()
+        _applied.add(patch.name)
+        logger.info("vllm-hpu-mm patch applied: %s (%s)", patch.name, patch.why)

@@ -1,0 +1,174 @@
+"""The vLLM platform of the plugin.
+
+One class per device kind (hpu, cuda, cpu) over one shared base: vLLM reads
+device facts as class attributes, and ``vllm_hpu_mm.register()`` returns the path
+of the class that matches ``device.select_device()``. Everything else (worker,
+model runner, attention backend) is the same code on every device.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.platforms.interface import Platform, PlatformEnum
+from vllm_hpu_mm import device
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.inputs import EngineInput
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("vllm.hpu_mm.platform")
+
+ATTN_BACKEND_CLS = "vllm_hpu_mm.attention.backend.HpuMMAttentionBackend"
+BASE_COMMUNICATOR_CLS = (
+    "vllm.distributed.device_communicators.base_device_communicator."
+    "DeviceCommunicatorBase"
+)
+
+
+class _HpuMMPlatformBase(Platform):
+    _enum = PlatformEnum.OOT
+    simple_compile_backend = "inductor"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    # ---- device facts (through the device module) ----------------------------
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return device.device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return device.total_memory(device_id)
+
+    @classmethod
+    def set_device(cls, dev: torch.device) -> None:
+        device.set_device(dev)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        device.manual_seed_all(seed)
+
+    @classmethod
+    def inference_mode(cls) -> Any:
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_current_memory_usage(
+        cls, device: torch.types.Device | None = None
+    ) -> float:
+        from vllm_hpu_mm import device as dev
+
+        free, total = dev.memory_info()
+        return float(total - free)
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        # torch.distributed collectives over dist_backend (hccl, nccl or gloo).
+        return BASE_COMMUNICATOR_CLS
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        return True
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_structured_output(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise NotImplementedError("vllm-hpu-mm does not support LoRA yet")
+
+    # ---- selection -------------------------------------------------------------
+    @classmethod
+    def get_attn_backend_cls(
+        cls,
+        selected_backend: Any,
+        attn_selector_config: Any,
+        num_heads: int | None = None,
+    ) -> str:
+        unsupported = [
+            name
+            for name in ("use_mla", "use_sparse", "has_sink", "use_mm_prefix")
+            if getattr(attn_selector_config, name, False)
+        ]
+        if unsupported:
+            raise NotImplementedError(
+                f"vllm-hpu-mm attention does not support {', '.join(unsupported)} "
+                "(this model needs an attention kind the plugin lacks)"
+            )
+        return ATTN_BACKEND_CLS
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm_hpu_mm.platform_config import update_vllm_config
+
+        update_vllm_config(vllm_config, cls.device_type)
+
+    @classmethod
+    def validate_request(
+        cls,
+        processed_inputs: EngineInput,
+        params: SamplingParams | PoolingParams,
+    ) -> None:
+        from vllm_hpu_mm.platform_config import validate_sampling_params
+
+        validate_sampling_params(params)
+
+
+class HpuMMPlatform(_HpuMMPlatformBase):
+    """Intel Gaudi."""
+
+    device_name = "hpu"
+    device_type = "hpu"
+    dispatch_key = "HPU"
+    dist_backend = "hccl"
+    ray_device_key = "HPU"
+    device_control_env_var = "HABANA_VISIBLE_MODULES"
+
+
+class CudaMMPlatform(_HpuMMPlatformBase):
+    """NVIDIA GPU fallback: the same code path, on CUDA."""
+
+    device_name = "cuda"
+    device_type = "cuda"
+    dispatch_key = "CUDA"
+    dist_backend = "nccl"
+    ray_device_key = "GPU"
+    device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+
+class CpuMMPlatform(_HpuMMPlatformBase):
+    """CPU fallback (CI): the same code path, on the host."""
+
+    device_name = "cpu"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    # Ray needs a resource name it knows; a local CPU cluster offers "HPU"
+    # slots (`ray start --head --resources '{"HPU": 2}'`).
+    ray_device_key = "HPU"
+    device_control_env_var = "VLLM_HPU_MM_VISIBLE_DEVICES"
+
+
+PLATFORM_CLASSES: dict[str, type[_HpuMMPlatformBase]] = {
+    "hpu": HpuMMPlatform,
+    "cuda": CudaMMPlatform,
+    "cpu": CpuMMPlatform,
+}

@@ -1,0 +1,140 @@
+"""What the platform does to vLLM's config at start-up, and request checks.
+
+``update_vllm_config`` is a short list of small steps, each one a function
+below. ``validate_sampling_params`` runs in the API server before a request
+reaches the engine core, so an unsupported option becomes a 400, never an
+exception that would kill the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("vllm.hpu_mm.platform")
+
+WORKER_CLS = "vllm_hpu_mm.worker.worker.HpuMMWorker"
+DEFAULT_BLOCK_SIZE = {"hpu": 128, "cuda": 16, "cpu": 16}
+
+
+class UnsupportedConfigError(ValueError):
+    """A vLLM option that this plugin cannot honour."""
+
+
+def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
+    """Check and adapt vLLM's config for the plugin (runs once per process)."""
+    plugin_config = _load_plugin_config(vllm_config)  # 1. validate ours first
+    _reject_unsupported(vllm_config)  # 2. features we do not implement
+    _choose_worker(vllm_config)  # 3. our worker, whatever the device
+    _set_block_size(vllm_config, device_type)  # 4. KV block size
+    _set_scheduling(vllm_config)  # 5. synchronous scheduling
+    _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
+    logger.info(
+        "vllm-hpu-mm config: device=%s block_size=%s max_num_seqs=%s "
+        "max_num_batched_tokens=%s chunked_prefill=%s plugin=%s",
+        device_type,
+        vllm_config.cache_config.block_size,
+        vllm_config.scheduler_config.max_num_seqs,
+        vllm_config.scheduler_config.max_num_batched_tokens,
+        vllm_config.scheduler_config.enable_chunked_prefill,
+        plugin_config,
+    )
+
+
+def _load_plugin_config(vllm_config: VllmConfig) -> Any:
+    from vllm_hpu_mm.config import load_plugin_config
+
+    return load_plugin_config(vllm_config)
+
+
+def _reject_unsupported(vllm_config: VllmConfig) -> None:
+    problems = []
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding (--speculative-config)")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA (--enable-lora)")
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        problems.append(
+            f"pipeline parallelism (--pipeline-parallel-size "
+            f"{pc.pipeline_parallel_size}); use tensor parallelism"
+        )
+    mc = vllm_config.model_config
+    if mc is not None and mc.runner_type != "generate":
+        problems.append(f"runner type {mc.runner_type!r} (only 'generate')")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV transfer connectors (--kv-transfer-config)")
+    if problems:
+        raise UnsupportedConfigError(
+            "vllm-hpu-mm does not support: " + "; ".join(problems) + "."
+        )
+
+
+def _choose_worker(vllm_config: VllmConfig) -> None:
+    pc = vllm_config.parallel_config
+    if pc.worker_cls not in ("auto", WORKER_CLS):
+        logger.warning(
+            "worker_cls=%s replaced by %s: the plugin's worker runs every device",
+            pc.worker_cls,
+            WORKER_CLS,
+        )
+    pc.worker_cls = WORKER_CLS
+
+
+def _set_block_size(vllm_config: VllmConfig, device_type: str) -> None:
+    cc = vllm_config.cache_config
+    if not cc.user_specified_block_size or cc.block_size is None:
+        cc.block_size = DEFAULT_BLOCK_SIZE[device_type]
+
+
+def _set_scheduling(vllm_config: VllmConfig) -> None:
+    # The runner returns sampled tokens from execute_model; it does not overlap
+    # steps, so async scheduling stays off.
+    vllm_config.scheduler_config.async_scheduling = False
+
+
+def _set_compilation(vllm_config: VllmConfig) -> None:
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    # vLLM's own compile pipeline and CUDA-graph capture are replaced by the
+    # runner's graph wrapper (per bucket, per device).
+    cc.mode = CompilationMode.NONE
+    cc.cudagraph_mode = CUDAGraphMode.NONE
+    cc.cudagraph_capture_sizes = []
+    cc.max_cudagraph_capture_size = 0
+
+
+# ---- per-request checks (API-server side) ---------------------------------------
+
+_UNSUPPORTED_SAMPLING = {
+    "min_p": lambda v: bool(v),
+    "logit_bias": lambda v: bool(v),
+    "min_tokens": lambda v: bool(v),
+    "prompt_logprobs": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+}
+
+
+def validate_sampling_params(params: Any) -> None:
+    """Raise ValueError (a 400 in the API server) for options we do not run."""
+    from vllm.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams):
+        raise ValueError("vllm-hpu-mm serves generation requests only (no pooling)")
+    used = [
+        f"{name}={getattr(params, name)!r}"
+        for name, is_set in _UNSUPPORTED_SAMPLING.items()
+        if is_set(getattr(params, name, None))
+    ]
+    if used:
+        raise ValueError(
+            "vllm-hpu-mm does not support the sampling option(s) "
+            + ", ".join(used)
+            + "; supported: temperature, top_p, top_k, seed, n, logprobs, stop, "
+            "max_tokens, presence/frequency/repetition penalties, "
+            "allowed_token_ids, bad_words"
+        )

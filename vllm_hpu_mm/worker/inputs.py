@@ -1,0 +1,119 @@
+"""Turn one SchedulerOutput into the model's padded inputs.
+
+Layout (token rows): decode requests first (one row each, padded to the
+bucket's decode rows), then the prefill requests' tokens flattened (padded to
+the bucket's prefill tokens). Padding rows carry token 0 at position 0 and write
+the null block's slot, so they never touch a real KV slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_hpu_mm.attention.metadata import (
+    HpuMMAttentionMetadata,
+    StepShape,
+    build_metadata,
+    exact_shape,
+    token_row_of_real_tokens,
+)
+from vllm_hpu_mm.worker.requests import RequestState
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """The padded inputs of one step, in the runner's request order."""
+
+    req_ids: list[str]  # batch order: decodes first
+    query_lens: np.ndarray  # [R] scheduled tokens per request
+    seq_lens: np.ndarray  # [R] context length after this step
+    shape: StepShape  # the bucket the step is padded to
+    input_ids: torch.Tensor  # [shape.num_tokens] int64
+    positions: torch.Tensor  # [shape.num_tokens] int64
+    logits_rows: torch.Tensor  # [R] token row of each request's last token
+    attn_metadata: HpuMMAttentionMetadata
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+
+def order_requests(num_scheduled: dict[str, int]) -> list[str]:
+    """Decode requests (one scheduled token) first, each group in scheduler order."""
+    decodes = [r for r, n in num_scheduled.items() if n == 1]
+    prefills = [r for r, n in num_scheduled.items() if n != 1]
+    return decodes + prefills
+
+
+def gather_step(
+    states: list[RequestState], query_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Real tokens of the step, unpadded and in batch order.
+
+    Returns (token_ids [N], positions [N], slots [N], seq_lens [R],
+    block_table [R, max_blocks]) where N = sum(query_lens).
+    """
+    starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+    seq_lens = starts + query_lens
+    token_ids = np.fromiter(
+        (
+            t
+            for s, a, n in zip(states, starts, query_lens, strict=True)
+            for t in s.token_ids(int(a), int(a + n))
+        ),
+        np.int64,
+        int(query_lens.sum()),
+    )
+    width = max((len(s.block_ids) for s in states), default=0)
+    block_table = np.zeros((len(states), max(width, 1)), np.int64)
+    for i, s in enumerate(states):
+        block_table[i, : len(s.block_ids)] = s.block_ids
+    req_of_token = np.repeat(np.arange(len(states)), query_lens)
+    positions = np.repeat(starts, query_lens) + (
+        np.arange(token_ids.size) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+    )
+    blocks = block_table[req_of_token, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    return token_ids, positions, slots, seq_lens, block_table
+
+
+def build_step(
+    req_ids: list[str],
+    states: list[RequestState],
+    query_lens: np.ndarray,
+    shape_for: Callable[[StepShape], StepShape],
+    block_size: int,
+    device: torch.device,
+) -> StepBatch:
+    """Gather, choose the bucket (``shape_for(exact_shape) -> StepShape``), pad."""
+    token_ids, positions, slots, seq_lens, block_table = gather_step(
+        states, query_lens, block_size
+    )
+    shape = shape_for(exact_shape(query_lens, seq_lens, block_size))
+    rows = token_row_of_real_tokens(query_lens, shape)
+    ids = np.zeros(shape.num_tokens, np.int64)
+    pos = np.zeros(shape.num_tokens, np.int64)
+    ids[rows] = token_ids
+    pos[rows] = positions
+    last = np.cumsum(query_lens) - 1
+    md = build_metadata(
+        query_lens, seq_lens, block_table, slots, block_size, shape, device
+    )
+    return StepBatch(
+        req_ids=req_ids,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        shape=shape,
+        input_ids=torch.from_numpy(ids).to(device),
+        positions=torch.from_numpy(pos).to(device),
+        logits_rows=torch.from_numpy(rows[last]).to(device),
+        attn_metadata=md,
+    )

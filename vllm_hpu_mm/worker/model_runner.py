@@ -1,0 +1,151 @@
+"""The plugin's model runner: one code path for hpu, cuda and cpu.
+
+A step: update the request table from the scheduler's output, order the
+requests (decodes first), gather and pad the inputs to the step's shape, run
+the model under vLLM's forward context with our attention metadata, sample with
+vLLM's Sampler, and hand back the tokens. Each part lives in its own module:
+``requests`` (state), ``inputs`` (layout and padding), ``sampling``,
+``kv_cache``; device calls go through ``vllm_hpu_mm.device``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.model_loader import get_model
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.attention.metadata import StepShape
+from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
+from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
+from vllm_hpu_mm.worker.requests import RequestState, RequestTable
+from vllm_hpu_mm.worker.sampling import build_sampling_metadata
+
+logger = logging.getLogger("vllm.hpu_mm.runner")
+
+
+def exact(shape: StepShape) -> StepShape:
+    """Shape policy without bucketing: run the step's own shape."""
+    return shape
+
+
+class HpuMMModelRunner:
+    def __init__(
+        self, vllm_config: VllmConfig, device: torch.device, plugin_config: Any
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.device = device
+        self.plugin_config = plugin_config
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.requests = RequestTable(device)
+        self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.shape_for: Callable[[StepShape], StepShape] = exact
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+
+    # ---- set-up ------------------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self.model = get_model(vllm_config=self.vllm_config)
+        logger.info(
+            "Loaded %s in %.1f s on %s",
+            self.model_config.model,
+            time.perf_counter() - start,
+            self.device,
+        )
+
+    def get_model(self) -> torch.nn.Module:
+        assert self.model is not None, "load_model() first"
+        return self.model
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return kv_cache_specs(self.vllm_config)
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        self.kv_caches = allocate_kv_caches(self.vllm_config, config, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %d layers, %.1f MiB",
+            config.num_blocks,
+            self.block_size,
+            len(self.kv_caches),
+            sum(t.numel() * t.element_size() for t in self.kv_caches.values())
+            / 2**20,
+        )
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self) -> int:
+        """Peak device bytes of one forward at the largest token budget."""
+        sc = self.vllm_config.scheduler_config
+        num_tokens = sc.max_num_batched_tokens
+        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        before = dev.peak_memory_bytes()
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            hidden = self.get_model()(input_ids=zeros, positions=zeros)
+        self.get_model().compute_logits(hidden[: sc.max_num_seqs])
+        dev.synchronize()
+        return max(dev.peak_memory_bytes() - before, 0)
+
+    # ---- one step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        self.requests.update(scheduler_output)
+        zero_blocks(self.kv_caches, scheduler_output.new_block_ids_to_zero or [])
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        req_ids = order_requests(scheduler_output.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        query_lens = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int64
+        )
+        batch = build_step(
+            req_ids, states, query_lens, self.shape_for, self.block_size, self.device
+        )
+        logits = self.forward(batch)
+        return self.sample(batch, states, logits)
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Run the model on the padded batch; logits of each request's last row."""
+        model = self.get_model()
+        with set_forward_context(
+            batch.attn_metadata, self.vllm_config, num_tokens=batch.shape.num_tokens
+        ):
+            hidden = model(input_ids=batch.input_ids, positions=batch.positions)
+        dev.mark_step()
+        return model.compute_logits(hidden.index_select(0, batch.logits_rows))
+
+    def sample(
+        self, batch: StepBatch, states: list[RequestState], logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        metadata = build_sampling_metadata(
+            states, self.model_config.get_vocab_size(), self.device
+        )
+        out = self.sampler(logits, metadata)
+        sampled = out.sampled_token_ids[:, 0].tolist()
+        tokens: list[list[int]] = []
+        for state, n, token in zip(states, batch.query_lens, sampled, strict=True):
+            # A chunk that stops short of the end of the known tokens is a partial
+            # prefill: its sampled token is not part of the output.
+            if state.num_computed_tokens + int(n) >= state.num_tokens:
+                state.output_token_ids.append(token)
+                tokens.append([token])
+            else:
+                tokens.append([])
+        logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors else None
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+        )

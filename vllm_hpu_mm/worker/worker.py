@@ -1,0 +1,158 @@
+"""The plugin's worker: one process, one device, one model runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed import (
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.patches import apply_patches
+from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
+
+logger = logging.getLogger("vllm.hpu_mm.worker")
+
+
+class HpuMMWorker(WorkerBase):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            vllm_config, local_rank, rank, distributed_init_method, is_driver_worker
+        )
+        from vllm_hpu_mm.config import load_plugin_config
+
+        self.plugin_config = load_plugin_config(vllm_config)
+        self.runner: HpuMMModelRunner | None = None
+
+    # ---- life cycle ---------------------------------------------------------------
+    def init_device(self) -> None:
+        apply_patches()
+        self.device = dev.torch_device(self.local_rank)
+        dev.set_device(self.device)
+        pc = self.parallel_config
+        init_distributed_environment(
+            pc.world_size,
+            self.rank,
+            self.distributed_init_method or "env://",
+            self.local_rank,
+            dev.dist_backend(),
+        )
+        ensure_model_parallel_initialized(
+            pc.tensor_parallel_size, pc.pipeline_parallel_size
+        )
+        set_random_seed(self.model_config.seed)
+        choice = dev.select_device()
+        logger.info(
+            "vllm-hpu-mm worker rank %d on %s: %s", self.rank, self.device, choice.reason
+        )
+        self.runner = HpuMMModelRunner(self.vllm_config, self.device, self.plugin_config)
+        self.model_runner = self.runner  # type: ignore[assignment]
+
+    def _runner(self) -> HpuMMModelRunner:
+        if self.runner is None:
+            raise RuntimeError("init_device() has not run")
+        return self.runner
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise NotImplementedError("vllm-hpu-mm does not load dummy weights")
+        self._runner().load_model()
+
+    def get_model(self) -> torch.nn.Module:
+        return self._runner().get_model()
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may take."""
+        cc = self.cache_config
+        if cc.kv_cache_memory_bytes:
+            return int(cc.kv_cache_memory_bytes)
+        if dev.device_kind() == "cpu":
+            logger.info(
+                "KV cache on the host: %d MiB (set --kv-cache-memory-bytes to change)",
+                dev.CPU_DEFAULT_KV_CACHE_BYTES // 2**20,
+            )
+            return dev.CPU_DEFAULT_KV_CACHE_BYTES
+        activation = self._runner().profile_peak_activation_bytes()
+        free, total = dev.memory_info()
+        budget = int(total * cc.gpu_memory_utilization) - (total - free) - activation
+        if budget <= 0:
+            raise RuntimeError(
+                f"no memory left for the KV cache: {total / 2**30:.1f} GiB x "
+                f"gpu_memory_utilization {cc.gpu_memory_utilization} - "
+                f"{(total - free) / 2**30:.1f} GiB in use - "
+                f"{activation / 2**30:.1f} GiB activations = "
+                f"{budget / 2**30:.1f} GiB"
+            )
+        return budget
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self._runner().get_kv_cache_spec()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self._runner().initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        start = time.perf_counter()
+        warmup = getattr(self._runner(), "warmup", None)
+        if warmup is not None:
+            warmup()
+        return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
+
+    # ---- serving -------------------------------------------------------------------
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        return self._runner().execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        raise RuntimeError(
+            "sample_tokens() is not used: vllm-hpu-mm samples inside execute_model"
+        )
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def check_health(self) -> None:
+        return None
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def get_cache_block_size_bytes(self) -> int:
+        specs = self.get_kv_cache_spec()
+        return sum(s.page_size_bytes for s in specs.values())
+
+    def add_lora(self, lora_request: Any) -> bool:
+        raise NotImplementedError("vllm-hpu-mm does not support LoRA")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError("vllm-hpu-mm does not support LoRA")
+
+    def pin_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError("vllm-hpu-mm does not support LoRA")
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        self.runner = None

@@ -23,6 +23,7 @@ def register() -> str | None:
     """Platform plugin entry point: the platform's class path (lazy import)."""
     from vllm_hpu_mm.device import select_device
 
+    _ensure_prometheus_multiprocess_dir()
     # Logs once which device was chosen and why.
     return _PLATFORM_CLS[select_device().kind]
 
@@ -32,3 +33,17 @@ def register_models() -> None:
     from vllm_hpu_mm.models import register_all
 
     register_all()
+
+
+def _ensure_prometheus_multiprocess_dir() -> None:
+    """Let the worker's counters reach /metrics: vLLM's API server merges every
+    process's values only in prometheus_client's multiprocess mode, which must
+    be chosen before prometheus_client is first imported (an operator's own
+    PROMETHEUS_MULTIPROC_DIR is kept)."""
+    import os
+    import tempfile
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
+            prefix="vllm_hpu_mm_prom_"
+        )

@@ -201,5 +201,13 @@ def total_memory(index: int = 0) -> int:
     return memory_info()[1]
 
 
+def compile_backend() -> str:
+    """torch.compile backend for graph mode on this device."""
+    if device_kind() == "hpu":
+        _hpu_core()  # registers the "hpu_backend" with torch.compile
+        return "hpu_backend"
+    return "inductor"
+
+
 def dist_backend() -> str:
     return {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}[device_kind()]

@@ -34,7 +34,8 @@ class StepBatch:
     shape: StepShape  # the bucket the step is padded to
     input_ids: torch.Tensor  # [shape.num_tokens] int64
     positions: torch.Tensor  # [shape.num_tokens] int64
-    logits_rows: torch.Tensor  # [R] token row of each request's last token
+    logits_rows: torch.Tensor  # [batch bucket] token row of each request's last
+    # token; padding rows repeat row 0 and their logits are dropped
     attn_metadata: HpuMMAttentionMetadata
 
     @property
@@ -89,21 +90,27 @@ def build_step(
     req_ids: list[str],
     states: list[RequestState],
     query_lens: np.ndarray,
-    shape_for: Callable[[StepShape], StepShape],
+    shape_for: Callable[[StepShape, int], tuple[StepShape, int]],
     block_size: int,
     device: torch.device,
 ) -> StepBatch:
-    """Gather, choose the bucket (``shape_for(exact_shape) -> StepShape``), pad."""
+    """Gather, choose the bucket and pad.
+
+    ``shape_for(exact_shape, num_reqs) -> (padded shape, padded batch)``.
+    """
     token_ids, positions, slots, seq_lens, block_table = gather_step(
         states, query_lens, block_size
     )
-    shape = shape_for(exact_shape(query_lens, seq_lens, block_size))
+    shape, batch_rows = shape_for(
+        exact_shape(query_lens, seq_lens, block_size), len(req_ids)
+    )
     rows = token_row_of_real_tokens(query_lens, shape)
     ids = np.zeros(shape.num_tokens, np.int64)
     pos = np.zeros(shape.num_tokens, np.int64)
     ids[rows] = token_ids
     pos[rows] = positions
-    last = np.cumsum(query_lens) - 1
+    logits_rows = np.zeros(batch_rows, np.int64)
+    logits_rows[: len(req_ids)] = rows[np.cumsum(query_lens) - 1]
     md = build_metadata(
         query_lens, seq_lens, block_table, slots, block_size, shape, device
     )
@@ -114,6 +121,6 @@ def build_step(
         shape=shape,
         input_ids=torch.from_numpy(ids).to(device),
         positions=torch.from_numpy(pos).to(device),
-        logits_rows=torch.from_numpy(rows[last]).to(device),
+        logits_rows=torch.from_numpy(logits_rows).to(device),
         attn_metadata=md,
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,18 +24,15 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm_hpu_mm import device as dev
-from vllm_hpu_mm.attention.metadata import StepShape
+from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 from vllm_hpu_mm.worker.sampling import build_sampling_metadata
+from vllm_hpu_mm.worker.shapes import ShapePolicy, bucket_set, engine_limits
+from vllm_hpu_mm.worker.warmup import warm_up
 
 logger = logging.getLogger("vllm.hpu_mm.runner")
-
-
-def exact(shape: StepShape) -> StepShape:
-    """Shape policy without bucketing: run the step's own shape."""
-    return shape
 
 
 class HpuMMModelRunner:
@@ -50,8 +46,11 @@ class HpuMMModelRunner:
         self.block_size: int = vllm_config.cache_config.block_size
         self.requests = RequestTable(device)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
-        self.shape_for: Callable[[StepShape], StepShape] = exact
+        self.shapes = ShapePolicy(
+            bucket_set(engine_limits(vllm_config), plugin_config.bucketing)
+        )
         self.model: torch.nn.Module | None = None
+        self.graphs: GraphRunner | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # ---- set-up ------------------------------------------------------------------
@@ -59,12 +58,36 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
+        self.graphs = GraphRunner(
+            self.model, self._graph_mode(), self._graph_backend()
+        )
         logger.info(
             "Loaded %s in %.1f s on %s",
             self.model_config.model,
             time.perf_counter() - start,
             self.device,
         )
+
+    def _graph_mode(self) -> str:
+        mode = self.plugin_config.graph_mode
+        if mode == "auto":
+            return "eager" if self.model_config.enforce_eager else "compile"
+        if mode == "graphs":
+            raise NotImplementedError(
+                "hpu_mm.graph_mode='graphs' (captured HPU/CUDA graphs) is not "
+                "implemented yet; use 'compile' (torch.compile per bucket) or "
+                "'eager'"
+            )
+        return str(mode)
+
+    def _graph_backend(self) -> str:
+        return str(getattr(self.plugin_config, "graph_backend", "") or "") or (
+            dev.compile_backend()
+        )
+
+    def warmup(self) -> None:
+        assert self.graphs is not None
+        warm_up(self)
 
     def get_model(self) -> torch.nn.Module:
         assert self.model is not None, "load_model() first"
@@ -110,20 +133,21 @@ class HpuMMModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int64
         )
         batch = build_step(
-            req_ids, states, query_lens, self.shape_for, self.block_size, self.device
+            req_ids, states, query_lens, self.shapes, self.block_size, self.device
         )
         logits = self.forward(batch)
         return self.sample(batch, states, logits)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Run the model on the padded batch; logits of each request's last row."""
-        model = self.get_model()
+        graphs = self.graphs
+        assert graphs is not None, "load_model() first"
         with set_forward_context(
             batch.attn_metadata, self.vllm_config, num_tokens=batch.shape.num_tokens
         ):
-            hidden = model(input_ids=batch.input_ids, positions=batch.positions)
-        dev.mark_step()
-        return model.compute_logits(hidden.index_select(0, batch.logits_rows))
+            hidden = graphs.body(batch.input_ids, batch.positions)
+        logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
+        return logits[: batch.num_reqs]
 
     def sample(
         self, batch: StepBatch, states: list[RequestState], logits: torch.Tensor

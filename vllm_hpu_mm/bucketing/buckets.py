@@ -1,0 +1,170 @@
+"""Bucket sets and lookup: pure functions over ints (no torch, no vLLM).
+
+A step is padded along three axes, each with its own sorted list of sizes:
+
+- ``tokens``: the step's token rows (decode rows + prefill tokens, flat). The
+  model body's graph is keyed by this size alone.
+- ``batch``: requests in the step (rows of logits and of the decode block
+  table). The logits graph is keyed by it.
+- ``blocks``: KV-cache blocks read by attention (decode block-table width, and
+  the prefill requests' context blocks together).
+
+Flat layout: a step pads its *total* token count once, not every prompt to the
+longest, so the waste is one bucket's slack per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Engine limits that bound every bucket."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def max_tokens(self) -> int:
+        """Most token rows a step can have."""
+        return self.max_num_batched_tokens
+
+    @property
+    def max_blocks(self) -> int:
+        """Most context blocks one step can read (all requests at full length)."""
+        return self.max_num_seqs * self.max_blocks_per_seq
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSet:
+    tokens: tuple[int, ...]
+    batch: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for axis in ("tokens", "batch", "blocks"):
+            values = getattr(self, axis)
+            if not values:
+                raise ValueError(f"bucket axis {axis!r} is empty")
+            if list(values) != sorted(set(values)) or values[0] <= 0:
+                raise ValueError(
+                    f"bucket axis {axis!r} must be strictly increasing positive "
+                    f"ints, got {list(values)}"
+                )
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs warmup prepares: one body graph per token size, one logits
+        graph per batch size."""
+        return len(self.tokens) + len(self.batch)
+
+
+def exponential(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... and hi itself (lo <= hi)."""
+    _check_range(lo, hi)
+    out = []
+    v = lo
+    while v < hi:
+        out.append(v)
+        v *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def linear(lo: int, step: int, hi: int) -> tuple[int, ...]:
+    """lo, then multiples of step above lo, and hi itself."""
+    _check_range(lo, hi)
+    if step <= 0:
+        raise ValueError(f"linear step must be positive, got {step}")
+    first = (lo // step + 1) * step
+    return tuple(sorted({lo, *range(first, hi, step), hi}))
+
+
+def _check_range(lo: int, hi: int) -> None:
+    if lo <= 0 or hi < lo:
+        raise ValueError(f"bucket range needs 0 < lo <= hi, got lo={lo}, hi={hi}")
+
+
+def clip(values: Iterable[int], hi: int) -> tuple[int, ...]:
+    """Sorted unique values in (0, hi], with hi appended so the axis covers it."""
+    return tuple(sorted({v for v in values if 0 < v < hi} | {hi}))
+
+
+def default_buckets(limits: Limits, strategy: str, min_tokens: int = 16,
+                    token_step: int = 128, batch_step: int = 8,
+                    block_step: int = 16) -> BucketSet:
+    """Buckets for the whole range the limits allow."""
+    max_batch = limits.max_num_seqs
+    if strategy == "exponential":
+        tokens = exponential(min(min_tokens, limits.max_tokens), limits.max_tokens)
+        batch = exponential(1, max_batch)
+        blocks = exponential(1, limits.max_blocks)
+    elif strategy == "linear":
+        tokens = linear(min(min_tokens, limits.max_tokens), token_step, limits.max_tokens)
+        batch = linear(1, batch_step, max_batch)
+        blocks = linear(1, block_step, limits.max_blocks)
+    else:
+        raise ValueError(
+            f"bucket strategy {strategy!r} is not one of 'exponential', 'linear' "
+            "(use 'explicit' with a file for hand-picked lists)"
+        )
+    # Decode steps have one token per request: every batch size is a token size.
+    return BucketSet(tokens=clip(tokens + batch, limits.max_tokens),
+                     batch=batch, blocks=blocks)
+
+
+def explicit(limits: Limits, tokens: Sequence[int], batch: Sequence[int],
+             blocks: Sequence[int]) -> BucketSet:
+    """Hand-picked (or planner-fitted) lists, clipped to the limits. They are
+    not closed at the limits: a rarer, larger step takes the fallback."""
+
+    def within(values: Iterable[int], hi: int) -> tuple[int, ...]:
+        return tuple(sorted({v for v in values if 0 < v <= hi}))
+
+    return BucketSet(
+        tokens=within([*tokens, *batch], limits.max_tokens),
+        batch=within(batch, limits.max_num_seqs),
+        blocks=within(blocks, limits.max_blocks),
+    )
+
+
+def smallest_fit(value: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= value, or None when none fits (binary search)."""
+    lo, hi = 0, len(buckets)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if buckets[mid] < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return buckets[lo] if lo < len(buckets) else None
+
+
+def fallback_size(value: int, buckets: Sequence[int]) -> int:
+    """Size for a value above every bucket: the next multiple of the largest
+    bucket's power-of-two alignment, so the pad is bounded by that alignment
+    (less than the value itself) and repeated outliers share a shape."""
+    top = buckets[-1]
+    align = 1 << (top.bit_length() - 1)
+    return math.ceil(value / align) * align
+
+
+def padding_ratio(real: Iterable[int], padded: Iterable[int]) -> float:
+    """Share of padded rows that are padding: 1 - sum(real) / sum(padded)."""
+    r, p = sum(real), sum(padded)
+    return 0.0 if p == 0 else 1.0 - r / p

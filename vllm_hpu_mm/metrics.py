@@ -1,0 +1,32 @@
+"""Prometheus metrics of the plugin, exported on vLLM's /metrics.
+
+The counters live in the worker process; ``vllm serve`` merges every process's
+values because ``vllm_hpu_mm.register()`` (which runs before prometheus_client
+is first imported) points PROMETHEUS_MULTIPROC_DIR at a fresh directory when the
+operator has not set one. Import this module only from worker-side code.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+PREFIX = "vllm_hpu_mm:"
+
+GRAPH_COMPILES = Counter(
+    PREFIX + "graph_compiles",
+    "Graph compilations (counted inside the compiler backend), by phase.",
+    ["phase"],  # "warmup" or "serving"
+)
+PADDED_TOKENS = Counter(
+    PREFIX + "padded_tokens",
+    "Token rows added by bucket padding (not real tokens).",
+)
+SCHEDULED_TOKENS = Counter(
+    PREFIX + "scheduled_tokens",
+    "Real tokens run by the model (the denominator of the padding ratio).",
+)
+FALLBACK_BUCKETS = Counter(
+    PREFIX + "fallback_buckets",
+    "Steps whose shape fitted no prepared bucket and took the fallback size.",
+)
+

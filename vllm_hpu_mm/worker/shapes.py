@@ -1,0 +1,74 @@
+"""The runner's shape policy: bucket sets from the config, padding with counters."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm_hpu_mm import metrics
+from vllm_hpu_mm.attention.metadata import StepShape
+from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, default_buckets, explicit
+from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
+
+logger = logging.getLogger("vllm.hpu_mm.shapes")
+
+
+def engine_limits(vllm_config: VllmConfig) -> Limits:
+    sc = vllm_config.scheduler_config
+    return Limits(
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_model_len=vllm_config.model_config.max_model_len,
+        block_size=vllm_config.cache_config.block_size,
+    )
+
+
+def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
+    """The configured buckets, or None when bucketing is off (exact shapes)."""
+    strategy = bucketing.strategy
+    if strategy == "off":
+        return None
+    if strategy == "explicit":
+        lists = bucketing.buckets
+        return explicit(limits, lists.prefill_tokens, lists.decode_batch, lists.blocks)
+    return default_buckets(
+        limits,
+        strategy,
+        min_tokens=bucketing.prefill_min_tokens,
+        token_step=bucketing.prefill_step_tokens,
+        batch_step=bucketing.decode_step_batch,
+        block_step=bucketing.block_step,
+    )
+
+
+class ShapePolicy:
+    """Pads each step to its bucket and counts real and padded tokens."""
+
+    def __init__(self, buckets: BucketSet | None) -> None:
+        self.buckets = buckets
+        self.bucketer = Bucketer(buckets) if buckets is not None else None
+
+    def __call__(self, exact: StepShape, num_reqs: int) -> tuple[StepShape, int]:
+        metrics.SCHEDULED_TOKENS.inc(exact.num_tokens)
+        if self.bucketer is None:
+            return exact, num_reqs
+        padded = self.bucketer.pad(
+            StepSizes(
+                num_reqs=num_reqs,
+                num_decodes=exact.num_decodes,
+                decode_blocks=exact.decode_blocks,
+                prefill_tokens=exact.num_prefill_tokens,
+                prefill_blocks=exact.prefill_blocks,
+            )
+        )
+        if padded.fallbacks:
+            metrics.FALLBACK_BUCKETS.inc()
+        shape = StepShape(
+            num_decodes=padded.num_decodes,
+            decode_blocks=padded.decode_blocks,
+            num_prefill_tokens=padded.prefill_tokens,
+            prefill_blocks=padded.prefill_blocks,
+        )
+        metrics.PADDED_TOKENS.inc(shape.num_tokens - exact.num_tokens)
+        return shape, padded.batch

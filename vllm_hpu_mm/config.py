@@ -128,7 +128,13 @@ def _error(key: str, value: Any, problem: str, doc: str | None = None) -> Config
 
 
 def _suggest(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    """'; did you mean X?' for the choice nearest ``word`` (same but for case,
+    the only one it begins, else the closest by difflib), or ''."""
+    lower = word.lower()
+    close = [c for c in choices if c.lower() == lower]
+    close = close or [c for c in choices if lower and c.lower().startswith(lower)]
+    if len(close) != 1:
+        close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
@@ -365,7 +371,8 @@ class ExplicitBuckets:
         for f in dataclasses.fields(self):
             items = getattr(self, f.name)
             if not items:
-                raise _error(f.name, items, "must not be empty", f.metadata["doc"])
+                doc = f.metadata["doc"]
+                raise _error(f.name, list(items), "must not be empty", doc)
             object.__setattr__(self, f.name, tuple(sorted(set(items))))
 
 
@@ -595,7 +602,7 @@ def _build(cls: Any, data: Any) -> Any:
             raise ConfigError(
                 f"{key} ({_source(key).label}) is not a known key"
                 + (_suggest(str(name), names) or ".")
-                + f" Known keys of {prefix or 'the file'}: {', '.join(names)}.",
+                + f" Known keys of {prefix or 'the bucket file'}: {', '.join(names)}.",
                 key=key,
             )
         tp = hints[name]
@@ -608,9 +615,9 @@ def _build(cls: Any, data: Any) -> Any:
         and f.default_factory is dataclasses.MISSING
     ]
     if missing:
-        where = _source(_join(prefix, missing[0])).label
+        where = _source(prefix).label
         raise ConfigError(
-            f"{prefix or 'the file'} ({where}) is missing required key(s): "
+            f"{prefix or 'the bucket file'} ({where}) is missing required key(s): "
             + ", ".join(missing),
             key=_join(prefix, missing[0]),
         )
@@ -646,7 +653,7 @@ def _load_buckets(key: str, value: str, path: Path) -> ExplicitBuckets:
 def load_explicit_buckets(path: str | Path) -> ExplicitBuckets:
     """Read and check a bucket-list file (the format of ``bucketing.file``)."""
     key = f"{BucketingConfig._KEY}.file"
-    with _origins({}):
+    with _origins({key: _Origin("passed to load_explicit_buckets")}):
         resolved = _resolve_path(key, str(path))
         return _load_buckets(key, str(path), resolved)
 

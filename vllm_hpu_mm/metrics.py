@@ -29,4 +29,3 @@ FALLBACK_BUCKETS = Counter(
     PREFIX + "fallback_buckets",
     "Steps whose shape fitted no prepared bucket and took the fallback size.",
 )
-

@@ -12,8 +12,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.platforms.interface import Platform, PlatformEnum
+
 from vllm_hpu_mm import device
 
 if TYPE_CHECKING:

@@ -12,8 +12,6 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-
-from hpu_kernels.attention import decode_attention, prefill_attention, write_kv
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -23,6 +21,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+from hpu_kernels.attention import decode_attention, prefill_attention, write_kv
 from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     build_metadata,

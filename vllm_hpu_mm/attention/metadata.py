@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from vllm.v1.attention.backend import AttentionMetadata
 
 from hpu_kernels.attention import PAD_BLOCK_REQ, PAD_TOKEN_REQ
-from vllm.v1.attention.backend import AttentionMetadata
 
 # The slot padding tokens write to: slot 0 of vLLM's null block, owned by no request.
 PAD_SLOT = 0
@@ -123,7 +123,7 @@ def build_metadata(
     """
     num_dec = count_leading_decodes(query_lens)
     real = exact_shape(query_lens, seq_lens, block_size)
-    _check_fits(real, shape)
+    check_fits(real, shape)
     blocks = -(-seq_lens // block_size)
 
     # Decode rows.
@@ -178,7 +178,7 @@ def build_metadata(
     )
 
 
-def _check_fits(real: StepShape, shape: StepShape) -> None:
+def check_fits(real: StepShape, shape: StepShape) -> None:
     for name in StepShape.__slots__:
         if getattr(real, name) > getattr(shape, name):
             raise ValueError(

@@ -105,9 +105,14 @@ def clip(values: Iterable[int], hi: int) -> tuple[int, ...]:
     return tuple(sorted({v for v in values if 0 < v < hi} | {hi}))
 
 
-def default_buckets(limits: Limits, strategy: str, min_tokens: int = 16,
-                    token_step: int = 128, batch_step: int = 8,
-                    block_step: int = 16) -> BucketSet:
+def default_buckets(
+    limits: Limits,
+    strategy: str,
+    min_tokens: int = 16,
+    token_step: int = 128,
+    batch_step: int = 8,
+    block_step: int = 16,
+) -> BucketSet:
     """Buckets for the whole range the limits allow."""
     max_batch = limits.max_num_seqs
     if strategy == "exponential":
@@ -115,7 +120,9 @@ def default_buckets(limits: Limits, strategy: str, min_tokens: int = 16,
         batch = exponential(1, max_batch)
         blocks = exponential(1, limits.max_blocks)
     elif strategy == "linear":
-        tokens = linear(min(min_tokens, limits.max_tokens), token_step, limits.max_tokens)
+        tokens = linear(
+            min(min_tokens, limits.max_tokens), token_step, limits.max_tokens
+        )
         batch = linear(1, batch_step, max_batch)
         blocks = linear(1, block_step, limits.max_blocks)
     else:
@@ -124,12 +131,14 @@ def default_buckets(limits: Limits, strategy: str, min_tokens: int = 16,
             "(use 'explicit' with a file for hand-picked lists)"
         )
     # Decode steps have one token per request: every batch size is a token size.
-    return BucketSet(tokens=clip(tokens + batch, limits.max_tokens),
-                     batch=batch, blocks=blocks)
+    return BucketSet(
+        tokens=clip(tokens + batch, limits.max_tokens), batch=batch, blocks=blocks
+    )
 
 
-def explicit(limits: Limits, tokens: Sequence[int], batch: Sequence[int],
-             blocks: Sequence[int]) -> BucketSet:
+def explicit(
+    limits: Limits, tokens: Sequence[int], batch: Sequence[int], blocks: Sequence[int]
+) -> BucketSet:
     """Hand-picked (or planner-fitted) lists, clipped to the limits. They are
     not closed at the limits: a rarer, larger step takes the fallback."""
 

@@ -57,7 +57,9 @@ class GraphRunner:
             )
         logger.info("vllm-hpu-mm graph mode: %s (backend %s)", mode, backend)
 
-    def _run_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_body(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         return self.model(input_ids=input_ids, positions=positions)
 
     def _run_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

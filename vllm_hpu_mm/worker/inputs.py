@@ -18,6 +18,7 @@ from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     StepShape,
     build_metadata,
+    check_fits,
     exact_shape,
     token_row_of_real_tokens,
 )
@@ -79,7 +80,8 @@ def gather_step(
         block_table[i, : len(s.block_ids)] = s.block_ids
     req_of_token = np.repeat(np.arange(len(states)), query_lens)
     positions = np.repeat(starts, query_lens) + (
-        np.arange(token_ids.size) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+        np.arange(token_ids.size)
+        - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
     )
     blocks = block_table[req_of_token, positions // block_size]
     slots = blocks * block_size + positions % block_size
@@ -101,9 +103,11 @@ def build_step(
     token_ids, positions, slots, seq_lens, block_table = gather_step(
         states, query_lens, block_size
     )
-    shape, batch_rows = shape_for(
-        exact_shape(query_lens, seq_lens, block_size), len(req_ids)
-    )
+    exact = exact_shape(query_lens, seq_lens, block_size)
+    shape, batch_rows = shape_for(exact, len(req_ids))
+    check_fits(exact, shape)  # before any padded array is filled
+    if batch_rows < len(req_ids):
+        raise ValueError(f"step has {len(req_ids)} requests, batch bucket {batch_rows}")
     rows = token_row_of_real_tokens(query_lens, shape)
     ids = np.zeros(shape.num_tokens, np.int64)
     pos = np.zeros(shape.num_tokens, np.int64)

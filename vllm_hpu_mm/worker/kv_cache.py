@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec

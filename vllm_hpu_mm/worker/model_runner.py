@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
+
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
@@ -58,9 +58,7 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
-        self.graphs = GraphRunner(
-            self.model, self._graph_mode(), self._graph_backend()
-        )
+        self.graphs = GraphRunner(self.model, self._graph_mode(), self._graph_backend())
         logger.info(
             "Loaded %s in %.1f s on %s",
             self.model_config.model,
@@ -103,8 +101,7 @@ class HpuMMModelRunner:
             config.num_blocks,
             self.block_size,
             len(self.kv_caches),
-            sum(t.numel() * t.element_size() for t in self.kv_caches.values())
-            / 2**20,
+            sum(t.numel() * t.element_size() for t in self.kv_caches.values()) / 2**20,
         )
 
     @torch.inference_mode()
@@ -112,11 +109,13 @@ class HpuMMModelRunner:
         """Peak device bytes of one forward at the largest token budget."""
         sc = self.vllm_config.scheduler_config
         num_tokens = sc.max_num_batched_tokens
-        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.zeros_like(ids)
+        model: Any = self.get_model()
         before = dev.peak_memory_bytes()
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
-            hidden = self.get_model()(input_ids=zeros, positions=zeros)
-        self.get_model().compute_logits(hidden[: sc.max_num_seqs])
+            hidden = model(input_ids=ids, positions=positions)
+        model.compute_logits(hidden[: sc.max_num_seqs])
         dev.synchronize()
         return max(dev.peak_memory_bytes() - before, 0)
 

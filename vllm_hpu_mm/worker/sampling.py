@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-
 from vllm.sampling_params import SamplingType
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
+
 from vllm_hpu_mm.worker.requests import RequestState
 
 
@@ -16,7 +16,9 @@ def build_sampling_metadata(
     """One row per request, in batch order."""
     params = [s.sampling_params for s in states]
     greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-    temperature = [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    temperature = [
+        0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)
+    ]
     top_p = [p.top_p for p in params]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     logprobs = [
@@ -55,7 +57,9 @@ def build_sampling_metadata(
         generators={i: s.generator for i, s in enumerate(states) if s.generator},
         max_num_logprobs=max(logprobs) if logprobs else None,
         no_penalties=no_penalties,
-        prompt_token_ids=None if no_penalties else _prompt_ids(states, vocab_size, device),
+        prompt_token_ids=None
+        if no_penalties
+        else _prompt_ids(states, vocab_size, device),
         frequency_penalties=f32([p.frequency_penalty for p in params]),
         presence_penalties=f32([p.presence_penalty for p in params]),
         repetition_penalties=f32([p.repetition_penalty for p in params]),

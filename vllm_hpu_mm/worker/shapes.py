@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from vllm.config import VllmConfig
+
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape
 from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, default_buckets, explicit

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from tqdm import tqdm
-
 from vllm.forward_context import set_forward_context
+
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
 
 if TYPE_CHECKING:
@@ -32,13 +32,21 @@ def _padding_only_step(runner: HpuMMModelRunner, num_tokens: int) -> None:
         num_decodes=0, decode_blocks=0, num_prefill_tokens=num_tokens, prefill_blocks=1
     )
     md = build_metadata(
-        empty, empty, np.zeros((0, 1), np.int64), empty,
-        runner.block_size, shape, runner.device,
+        empty,
+        empty,
+        np.zeros((0, 1), np.int64),
+        empty,
+        runner.block_size,
+        shape,
+        runner.device,
     )
-    zeros = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    # Two distinct tensors, as in serving: Dynamo guards on aliasing, so one
+    # tensor passed twice would compile a graph that serving never reuses.
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    positions = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
     assert runner.graphs is not None
     with set_forward_context(md, runner.vllm_config, num_tokens=num_tokens):
-        runner.graphs.body(zeros, zeros)
+        runner.graphs.body(input_ids, positions)
 
 
 @torch.inference_mode()
@@ -49,19 +57,24 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     cfg = runner.plugin_config.warmup
     if cfg.skip or graphs.mode == "eager" or buckets is None:
         reason = (
-            "hpu_mm.warmup.skip is set" if cfg.skip
-            else "eager mode compiles nothing" if graphs.mode == "eager"
+            "hpu_mm.warmup.skip is set"
+            if cfg.skip
+            else "eager mode compiles nothing"
+            if graphs.mode == "eager"
             else "bucketing is off"
         )
         graphs.counter.phase = "serving"
         logger.info("Warmup skipped: %s", reason)
         return
     hidden_size = runner.model_config.get_hidden_size()
-    dtype = runner.model_config.dtype
-    work = [("tokens", n) for n in buckets.tokens] + [("batch", n) for n in buckets.batch]
+    dtype: torch.dtype = runner.model_config.dtype  # type: ignore[assignment]
+    work = [("tokens", n) for n in buckets.tokens] + [
+        ("batch", n) for n in buckets.batch
+    ]
     start = time.perf_counter()
-    for axis, n in tqdm(work, desc="vllm-hpu-mm warmup", unit="graph",
-                        disable=not cfg.progress_bar):
+    for axis, n in tqdm(
+        work, desc="vllm-hpu-mm warmup", unit="graph", disable=not cfg.progress_bar
+    ):
         if axis == "tokens":
             _padding_only_step(runner, n)
         else:

@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.distributed import (
     ensure_model_parallel_initialized,
@@ -17,6 +16,7 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.patches import apply_patches
 from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
@@ -61,9 +61,14 @@ class HpuMMWorker(WorkerBase):
         set_random_seed(self.model_config.seed)
         choice = dev.select_device()
         logger.info(
-            "vllm-hpu-mm worker rank %d on %s: %s", self.rank, self.device, choice.reason
+            "vllm-hpu-mm worker rank %d on %s: %s",
+            self.rank,
+            self.device,
+            choice.reason,
         )
-        self.runner = HpuMMModelRunner(self.vllm_config, self.device, self.plugin_config)
+        self.runner = HpuMMModelRunner(
+            self.vllm_config, self.device, self.plugin_config
+        )
         self.model_runner = self.runner  # type: ignore[assignment]
 
     def _runner(self) -> HpuMMModelRunner:

@@ -1,0 +1,33 @@
+"""Shared fixtures: the tiny offline models (built on first use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.hf_reference import hf_greedy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = REPO_ROOT / "models"
+
+__all__ = ["MODELS_DIR", "REPO_ROOT", "hf_greedy"]
+
+
+def _tiny_model_dir(name: str) -> str:
+    """``models/<name>``, built with the repository's builder if missing."""
+    from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models
+
+    return str(build_tiny_models(MODELS_DIR, names=[name])[name])
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir() -> str:
+    """Path of the tiny Llama model (GQA, float32)."""
+    return _tiny_model_dir("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir() -> str:
+    """Path of the tiny Mistral model (16-token sliding window, float32)."""
+    return _tiny_model_dir("tiny-mistral")

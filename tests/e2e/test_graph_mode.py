@@ -1,0 +1,94 @@
+"""Graph mode on the CPU: warmup prepares every bucket, serving compiles nothing.
+
+One engine in torch.compile mode with a small explicit bucket set. The compile
+count is read from the worker's real Prometheus counter (incremented inside
+the compiler backend), through prometheus_client's multiprocess files.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 12
+
+
+def _counter(name: str, labels: dict[str, str] | None = None) -> float:
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(
+        registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    )
+    return registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def buckets_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
+    path.write_text(
+        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8, 16, 32]\n"
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str, buckets_file: str) -> Iterator[object]:
+    from vllm import LLM
+
+    engine = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        seed=0,
+        additional_config={
+            "hpu_mm": {
+                "graph_mode": "compile",
+                "bucketing": {"strategy": "explicit", "file": buckets_file},
+                "warmup": {"progress_bar": False},
+            }
+        },
+    )
+    yield engine
+    del engine
+
+
+def test_warmup_compiled_every_bucket(llm: object) -> None:
+    # tokens axis {1, 4, 16, 64} + batch axis {1, 4}: one graph each.
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) == 6
+
+
+def test_mixed_workload_adds_no_compilation_and_matches_hf(
+    llm: object, tiny_llama_dir: str
+) -> None:
+    from vllm import SamplingParams
+
+    rng = random.Random(7)
+    prompts = [
+        [rng.randrange(5, 500) for _ in range(n)] for n in (3, 9, 17, 33, 70, 120, 5)
+    ]
+    before_tokens = _counter("vllm_hpu_mm:scheduled_tokens_total")
+    outs = llm.generate(  # type: ignore[attr-defined]
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == hf_greedy(tiny_llama_dir, prompts, MAX_NEW)
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
+    assert _counter("vllm_hpu_mm:fallback_buckets_total") == 0
+    # Every prompt token and every decode step was counted as scheduled work;
+    # padding is measured next to it.
+    scheduled = _counter("vllm_hpu_mm:scheduled_tokens_total") - before_tokens
+    assert scheduled >= sum(map(len, prompts)) + len(prompts) * (MAX_NEW - 1)
+    assert _counter("vllm_hpu_mm:padded_tokens_total") > 0

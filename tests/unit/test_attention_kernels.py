@@ -1,0 +1,453 @@
+"""The pure-PyTorch paged-attention kernels against a per-request reference.
+
+The reference never reads the paged cache: each request owns its keys and values
+as plain ``[seq_len, Hkv, D]`` tensors (position order), and attention is a
+Python loop over queries in float64 with GQA done by repeating the kv heads.
+The kernels, in turn, only see the paged cache, so a wrong slot, block, mask or
+head mapping shows up as a numerical mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hpu_kernels.attention import (
+    PAD_BLOCK_REQ,
+    PAD_TOKEN_REQ,
+    decode_attention,
+    prefill_attention,
+    write_kv,
+)
+
+HEAD = 8
+ATOL = 1e-5
+RTOL = 1e-5
+HEADS = [(4, 2), (4, 1), (4, 4)]  # (H, Hkv): GQA, MQA, MHA
+HEAD_IDS = ["gqa", "mqa", "mha"]
+
+
+# ----------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------
+
+
+def visible(key_pos: int, query_pos: int, window: int | None) -> bool:
+    """Causal + optional sliding window, as in vLLM (window includes the query)."""
+    return key_pos <= query_pos and (window is None or key_pos > query_pos - window)
+
+
+def reference_attention(
+    query: torch.Tensor,  # [Tq, H, D]
+    keys: torch.Tensor,  # [L, Hkv, D], position order
+    values: torch.Tensor,  # [L, Hkv, D]
+    positions: list[int],  # [Tq] absolute position of each query
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Softmax attention of one request in float64; returns [Tq, H, D]."""
+    num_heads = query.shape[1]
+    group = num_heads // keys.shape[1]
+    k_rep = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
+    v_rep = values.double().repeat_interleave(group, dim=1)
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for t, q_pos in enumerate(positions):
+        idx = [k for k in range(keys.shape[0]) if visible(k, q_pos, window)]
+        assert idx, "a query always sees itself"
+        for h in range(num_heads):
+            scores = (k_rep[idx, h] @ query[t, h].double()) * scale
+            weights = torch.softmax(scores, dim=0)
+            out[t, h] = weights @ v_rep[idx, h]
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Scenario: requests, their true K/V and a paged cache holding them
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    prior: int  # positions already in the cache
+    query_len: int  # tokens of this step
+    block_ids: list[int]
+    keys: torch.Tensor  # [seq_len, Hkv, D]
+    values: torch.Tensor
+    queries: torch.Tensor  # [query_len, H, D]
+
+    @property
+    def seq_len(self) -> int:
+        return self.prior + self.query_len
+
+    @property
+    def positions(self) -> list[int]:
+        return list(range(self.prior, self.seq_len))
+
+    def slot(self, pos: int, block_size: int) -> int:
+        return self.block_ids[pos // block_size] * block_size + pos % block_size
+
+
+def make_scenario(
+    specs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, list[Req]]:
+    """A garbage-filled cache with each request's prior context written in.
+
+    specs: (prior, query_len) per request. Blocks are random, non-contiguous and
+    never block 0. The current tokens' K/V are *not* written (``write_kv``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil((p + q) / block_size) for p, q in specs]
+    num_blocks = 1 + sum(needed) + 7  # spare blocks stay garbage
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD, generator=gen)
+    cache = cache.to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    reqs = []
+    for (prior, qlen), n in zip(specs, needed, strict=True):
+        ids, perm = perm[:n], perm[n:]
+        seq = prior + qlen
+        req = Req(
+            prior=prior,
+            query_len=qlen,
+            block_ids=ids,
+            keys=torch.randn(seq, num_kv_heads, HEAD, generator=gen),
+            values=torch.randn(seq, num_kv_heads, HEAD, generator=gen),
+            queries=torch.randn(qlen, num_heads, HEAD, generator=gen),
+        )
+        for pos in range(prior):
+            b, off = ids[pos // block_size], pos % block_size
+            cache[0, b, off] = req.keys[pos]
+            cache[1, b, off] = req.values[pos]
+        reqs.append(req)
+    assert 0 not in [b for r in reqs for b in r.block_ids]
+    return cache, reqs
+
+
+def write_step(cache: torch.Tensor, reqs: list[Req], pad_rows: int = 0) -> None:
+    """Write the current tokens' K/V (plus pad_rows padding rows) via write_kv."""
+    bs = cache.shape[2]
+    slots = [r.slot(p, bs) for r in reqs for p in r.positions] + [0] * pad_rows
+    keys = [r.keys[r.prior :] for r in reqs]
+    values = [r.values[r.prior :] for r in reqs]
+    pad = torch.full((pad_rows, *cache.shape[3:]), 1e3)
+    write_kv(
+        cache,
+        torch.cat([*keys, pad]),
+        torch.cat([*values, -pad]),
+        torch.tensor(slots, dtype=torch.int64),
+    )
+
+
+def prefill_inputs(
+    reqs: list[Req], block_size: int, pad_tokens: int = 0, pad_blocks: int = 0
+) -> dict[str, torch.Tensor]:
+    """The flat prefill layout, built by hand, with trailing padding."""
+    tok_req, tok_pos, blocks, blk_req, blk_pos = [], [], [], [], []
+    for i, r in enumerate(reqs):
+        tok_req += [i] * r.query_len
+        tok_pos += r.positions
+        n = math.ceil(r.seq_len / block_size)
+        blocks += r.block_ids[:n]
+        blk_req += [i] * n
+        blk_pos += [b * block_size for b in range(n)]
+    tok_req += [PAD_TOKEN_REQ] * pad_tokens
+    tok_pos += [0] * pad_tokens
+    blocks += [0] * pad_blocks
+    blk_req += [PAD_BLOCK_REQ] * pad_blocks
+    blk_pos += [0] * pad_blocks
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64)
+
+    return {
+        "token_req": t(tok_req),
+        "token_pos": t(tok_pos),
+        "ctx_blocks": t(blocks),
+        "ctx_block_req": t(blk_req),
+        "ctx_block_pos": t(blk_pos),
+    }
+
+
+def reference_for(reqs: list[Req], scale: float, window: int | None) -> torch.Tensor:
+    return torch.cat(
+        [
+            reference_attention(r.queries, r.keys, r.values, r.positions, scale, window)
+            for r in reqs
+        ]
+    )
+
+
+# (prior context, query tokens): a fresh prompt, chunks with prior context
+# (one starting mid-block, one on a block boundary), a one-token chunk and a
+# long context.
+PREFILL_SPECS = [(0, 7), (13, 6), (5, 1), (16, 4), (30, 9)]
+
+
+# ----------------------------------------------------------------------------
+# write_kv
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_write_kv_writes_exactly_the_given_slots(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, hkv = 9, 2
+    cache = torch.randn(2, num_blocks, block_size, hkv, HEAD, generator=gen)
+    before = cache.clone()
+    real = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:11]
+    real = real + block_size  # never in block 0
+    n_pad = 3
+    slots = torch.cat([real, torch.zeros(n_pad, dtype=torch.int64)])
+    key = torch.randn(len(slots), hkv, HEAD, generator=gen)
+    value = torch.randn(len(slots), hkv, HEAD, generator=gen)
+
+    write_kv(cache, key, value, slots)
+
+    flat = cache.view(2, -1, hkv, HEAD)
+    flat_before = before.view(2, -1, hkv, HEAD)
+    for row, s in enumerate(real.tolist()):
+        assert torch.equal(flat[0, s], key[row])
+        assert torch.equal(flat[1, s], value[row])
+    # Every other slot outside block 0 is untouched.
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[real] = False
+    untouched[:block_size] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+    # Padding rows only reach slot 0 of the null block.
+    assert torch.equal(flat[:, 1:block_size], flat_before[:, 1:block_size])
+    pad_keys = key[len(real) :]
+    assert any(torch.equal(flat[0, 0], k) for k in pad_keys)
+
+
+def test_write_kv_casts_to_cache_dtype() -> None:
+    cache = torch.zeros(2, 3, 4, 1, HEAD, dtype=torch.bfloat16)
+    key = torch.randn(2, 1, HEAD)
+    value = torch.randn(2, 1, HEAD)
+    write_kv(cache, key, value, torch.tensor([5, 11]))
+    assert torch.equal(cache[0, 1, 1], key[0].to(torch.bfloat16))
+    assert torch.equal(cache[1, 2, 3], value[1].to(torch.bfloat16))
+    assert cache.dtype == torch.bfloat16
+
+
+def test_write_kv_then_cache_holds_each_requests_sequence() -> None:
+    """After write_kv, every position of every request is at its slot."""
+    bs = 4
+    cache, reqs = make_scenario(PREFILL_SPECS, bs, 4, 2, seed=3)
+    write_step(cache, reqs, pad_rows=2)
+    for r in reqs:
+        for pos in range(r.seq_len):
+            b, off = r.block_ids[pos // bs], pos % bs
+            assert torch.equal(cache[0, b, off], r.keys[pos])
+            assert torch.equal(cache[1, b, off], r.values[pos])
+
+
+# ----------------------------------------------------------------------------
+# prefill_attention
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 5, 11])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    cache, reqs = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
+    write_step(cache, reqs)
+    scale = 1 / math.sqrt(HEAD)
+    query = torch.cat([r.queries for r in reqs])
+    out = prefill_attention(
+        query,
+        cache,
+        **prefill_inputs(reqs, block_size),
+        scale=scale,
+        sliding_window=window,
+    )
+    expected = reference_for(reqs, scale, window)
+    assert out.shape == query.shape
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_padding_changes_nothing(
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    scale = 0.3
+    # Unpadded run.
+    cache, reqs = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
+    write_step(cache, reqs)
+    query = torch.cat([r.queries for r in reqs])
+    plain = prefill_attention(
+        query,
+        cache,
+        **prefill_inputs(reqs, block_size),
+        scale=scale,
+        sliding_window=window,
+    )
+
+    # Same step padded with 5 tokens and 3 blocks; padding K/V (huge values)
+    # land in the null block, which the padding blocks point at.
+    cache_p, reqs_p = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
+    n_pad = 5
+    write_step(cache_p, reqs_p, pad_rows=n_pad)
+    pad_q = torch.randn(n_pad, num_heads, HEAD, generator=torch.Generator())
+    query_p = torch.cat([query, pad_q])
+    padded = prefill_attention(
+        query_p,
+        cache_p,
+        **prefill_inputs(reqs_p, block_size, pad_tokens=n_pad, pad_blocks=3),
+        scale=scale,
+        sliding_window=window,
+    )
+
+    n_real = query.shape[0]
+    assert padded.shape == query_p.shape
+    torch.testing.assert_close(padded[:n_real], plain, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        padded[:n_real].double(),
+        reference_for(reqs, scale, window),
+        atol=ATOL,
+        rtol=RTOL,
+    )
+    assert torch.isfinite(padded[n_real:]).all()
+
+
+def test_prefill_tokens_never_see_other_requests() -> None:
+    """Two requests sharing nothing: changing one's K/V leaves the other alone."""
+    bs = 4
+    cache, reqs = make_scenario([(3, 5), (6, 4)], bs, 4, 2, seed=7)
+    write_step(cache, reqs)
+    query = torch.cat([r.queries for r in reqs])
+    inputs = prefill_inputs(reqs, bs)
+    out1 = prefill_attention(query, cache, **inputs, scale=0.5)
+    for b in reqs[1].block_ids:
+        cache[:, b] = torch.randn_like(cache[:, b]) * 10
+    out2 = prefill_attention(query, cache, **inputs, scale=0.5)
+    n0 = reqs[0].query_len
+    torch.testing.assert_close(out1[:n0], out2[:n0], atol=0, rtol=0)
+    assert not torch.allclose(out1[n0:], out2[n0:])
+
+
+def test_prefill_only_padding_tokens_is_finite() -> None:
+    """A chunk whose rows are all padding still yields finite output."""
+    bs = 4
+    cache, _ = make_scenario([(0, 3)], bs, 4, 2)
+    query = torch.randn(6, 4, HEAD)
+    out = prefill_attention(
+        query,
+        cache,
+        token_req=torch.full((6,), PAD_TOKEN_REQ),
+        token_pos=torch.zeros(6, dtype=torch.int64),
+        ctx_blocks=torch.zeros(2, dtype=torch.int64),
+        ctx_block_req=torch.full((2,), PAD_BLOCK_REQ),
+        ctx_block_pos=torch.zeros(2, dtype=torch.int64),
+        scale=0.5,
+    )
+    assert out.shape == query.shape
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------
+# decode_attention
+# ----------------------------------------------------------------------------
+
+# Context lengths (including the current token): one token, mid-block, block
+# boundary, long ones.
+DECODE_SEQ_LENS = [1, 6, 16, 17, 33, 40]
+
+
+def decode_inputs(
+    reqs: list[Req], block_size: int, width: int, pad_rows: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    table = torch.zeros(len(reqs) + pad_rows, width, dtype=torch.int64)
+    for i, r in enumerate(reqs):
+        n = math.ceil(r.seq_len / block_size)
+        table[i, :n] = torch.tensor(r.block_ids[:n])
+    seq = [r.seq_len for r in reqs] + [0] * pad_rows
+    return table, torch.tensor(seq, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("window", [None, 5, 11])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    specs = [(s - 1, 1) for s in DECODE_SEQ_LENS]
+    cache, reqs = make_scenario(specs, block_size, num_heads, num_kv_heads, seed=5)
+    n_pad = 3
+    write_step(cache, reqs, pad_rows=n_pad)
+    width = math.ceil(max(DECODE_SEQ_LENS) / block_size) + 2  # zero columns past end
+    table, seq_lens = decode_inputs(reqs, block_size, width, pad_rows=n_pad)
+    scale = 1 / math.sqrt(HEAD)
+    query = torch.cat(
+        [r.queries for r in reqs]
+        + [torch.randn(n_pad, num_heads, HEAD, generator=torch.Generator())]
+    )
+    out = decode_attention(query, cache, table, seq_lens, scale, window)
+    n_real = len(reqs)
+    assert out.shape == query.shape
+    torch.testing.assert_close(
+        out[:n_real].double(),
+        reference_for(reqs, scale, window),
+        atol=ATOL,
+        rtol=RTOL,
+    )
+    assert torch.isfinite(out[n_real:]).all()
+
+    # Without the padding rows and with the narrowest table: same real rows.
+    narrow = math.ceil(max(DECODE_SEQ_LENS) / block_size)
+    table2, seq_lens2 = decode_inputs(reqs, block_size, narrow)
+    out2 = decode_attention(query[:n_real], cache, table2, seq_lens2, scale, window)
+    torch.testing.assert_close(out2, out[:n_real], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_equals_prefill_for_single_token_queries(
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    specs = [(s - 1, 1) for s in DECODE_SEQ_LENS]
+    cache, reqs = make_scenario(specs, block_size, num_heads, num_kv_heads, seed=9)
+    write_step(cache, reqs)
+    query = torch.cat([r.queries for r in reqs])
+    width = math.ceil(max(DECODE_SEQ_LENS) / block_size) + 1
+    table, seq_lens = decode_inputs(reqs, block_size, width)
+    dec = decode_attention(query, cache, table, seq_lens, 0.4, window)
+    pre = prefill_attention(
+        query,
+        cache,
+        **prefill_inputs(reqs, block_size),
+        scale=0.4,
+        sliding_window=window,
+    )
+    torch.testing.assert_close(dec, pre, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_reads_through_the_block_table() -> None:
+    """Swapping two requests' block tables swaps which context they read."""
+    bs = 4
+    cache, reqs = make_scenario([(8, 1), (8, 1)], bs, 2, 1, seed=11)
+    write_step(cache, reqs)
+    table, seq_lens = decode_inputs(reqs, bs, 3)
+    query = torch.cat([reqs[0].queries, reqs[0].queries])
+    out = decode_attention(query, cache, table, seq_lens, 0.5)
+    ref0 = reference_attention(
+        reqs[0].queries, reqs[0].keys, reqs[0].values, [8], 0.5, None
+    )
+    ref1 = reference_attention(
+        reqs[0].queries, reqs[1].keys, reqs[1].values, [8], 0.5, None
+    )
+    torch.testing.assert_close(out[0:1].double(), ref0, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out[1:2].double(), ref1, atol=ATOL, rtol=RTOL)

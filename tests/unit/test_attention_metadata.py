@@ -1,0 +1,443 @@
+"""build_metadata and friends: a hand-worked example, padding, errors, properties,
+and the metadata driving the kernels end to end against a per-request reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpu_kernels.attention import decode_attention, prefill_attention, write_kv
+from vllm_hpu_mm.attention.metadata import (
+    StepShape,
+    build_metadata,
+    count_leading_decodes,
+    exact_shape,
+    token_row_of_real_tokens,
+)
+
+CPU = torch.device("cpu")
+FIELDS = ["num_decodes", "decode_blocks", "num_prefill_tokens", "prefill_blocks"]
+
+
+def i64(*xs: object) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------
+# Hand-worked example (block size 4)
+#
+#   req  kind     computed  query  seq  blocks      tokens' positions -> slots
+#   A    decode   5         1      6    [7, 3]      5 -> 3*4+1 = 13
+#   B    decode   3         1      4    [5]         3 -> 5*4+3 = 23
+#   C    prefill  3         4      7    [2, 9]      3,4,5,6 -> 11,36,37,38
+#   D    prefill  0         2      2    [4]         0,1 -> 16,17
+#
+# The block table is wider than needed and holds junk (99) past each request's
+# blocks: it must never leak into the metadata.
+# ----------------------------------------------------------------------------
+
+BS = 4
+Q = np.array([1, 1, 4, 2], np.int64)
+SEQ = np.array([6, 4, 7, 2], np.int64)
+TABLE = np.array([[7, 3, 99], [5, 99, 99], [2, 9, 99], [4, 99, 99]], np.int64)
+SLOTS = np.array([13, 23, 11, 36, 37, 38, 16, 17], np.int64)
+EXACT = StepShape(
+    num_decodes=2, decode_blocks=2, num_prefill_tokens=6, prefill_blocks=3
+)
+
+
+def test_count_leading_decodes() -> None:
+    assert count_leading_decodes(Q) == 2
+    assert count_leading_decodes(np.array([1, 1, 1])) == 3
+    assert count_leading_decodes(np.array([3, 1, 1])) == 0
+    assert count_leading_decodes(np.array([1, 5, 1])) == 1
+    assert count_leading_decodes(np.array([], np.int64)) == 0
+
+
+def test_exact_shape_hand_worked() -> None:
+    assert exact_shape(Q, SEQ, BS) == EXACT
+    assert EXACT.num_tokens == 8
+
+
+def test_build_metadata_hand_worked_exact() -> None:
+    md = build_metadata(Q, SEQ, TABLE, SLOTS, BS, EXACT, CPU)
+    assert md.num_decodes == 2
+    assert md.num_prefill_tokens == 6
+    assert md.num_actual_tokens == 8
+    assert torch.equal(md.slot_mapping, i64(13, 23, 11, 36, 37, 38, 16, 17))
+    assert torch.equal(md.decode_block_table, torch.tensor([[7, 3], [5, 0]]))
+    assert torch.equal(md.decode_seq_lens, i64(6, 4))
+    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 0, 1, 1))
+    assert torch.equal(md.prefill_token_pos, i64(3, 4, 5, 6, 0, 1))
+    assert torch.equal(md.prefill_ctx_blocks, i64(2, 9, 4))
+    assert torch.equal(md.prefill_ctx_block_req, i64(0, 0, 1))
+    assert torch.equal(md.prefill_ctx_block_pos, i64(0, 4, 0))
+    for name in [
+        "slot_mapping",
+        "decode_block_table",
+        "decode_seq_lens",
+        "prefill_token_req",
+        "prefill_token_pos",
+        "prefill_ctx_blocks",
+        "prefill_ctx_block_req",
+        "prefill_ctx_block_pos",
+    ]:
+        assert getattr(md, name).dtype == torch.int64, name
+
+
+def test_build_metadata_hand_worked_padded() -> None:
+    shape = StepShape(
+        num_decodes=4, decode_blocks=3, num_prefill_tokens=8, prefill_blocks=5
+    )
+    md = build_metadata(Q, SEQ, TABLE, SLOTS, BS, shape, CPU)
+    assert md.num_decodes == 4
+    assert md.num_prefill_tokens == 8
+    assert md.num_actual_tokens == 8
+    # Decode rows 0..1 real, 2..3 pad; prefill rows 4..9 real, 10..11 pad.
+    assert torch.equal(md.slot_mapping, i64(13, 23, 0, 0, 11, 36, 37, 38, 16, 17, 0, 0))
+    assert torch.equal(
+        md.decode_block_table,
+        torch.tensor([[7, 3, 0], [5, 0, 0], [0, 0, 0], [0, 0, 0]]),
+    )
+    assert torch.equal(md.decode_seq_lens, i64(6, 4, 0, 0))
+    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 0, 1, 1, -1, -1))
+    assert torch.equal(md.prefill_token_pos, i64(3, 4, 5, 6, 0, 1, 0, 0))
+    assert torch.equal(md.prefill_ctx_blocks, i64(2, 9, 4, 0, 0))
+    assert torch.equal(md.prefill_ctx_block_req, i64(0, 0, 1, -2, -2))
+    assert torch.equal(md.prefill_ctx_block_pos[:3], i64(0, 4, 0))
+    assert md.prefill_ctx_block_pos.shape == (5,)
+    rows = token_row_of_real_tokens(Q, shape)
+    assert rows.tolist() == [0, 1, 4, 5, 6, 7, 8, 9]
+
+
+def test_decode_first_layout_trailing_single_token_request_is_a_prefill() -> None:
+    """Only the leading one-token requests are decode rows."""
+    q = np.array([1, 3, 1], np.int64)
+    seq = np.array([5, 3, 9], np.int64)
+    table = np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]], np.int64)
+    slots = np.array([2 * 4 + 0, 12, 13, 14, 6 * 4 + 0], np.int64)
+    shape = exact_shape(q, seq, 4)
+    assert shape == StepShape(1, 2, 4, 4)
+    md = build_metadata(q, seq, table, slots, 4, shape, CPU)
+    assert torch.equal(md.decode_seq_lens, i64(5))
+    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 1))
+    assert torch.equal(md.prefill_token_pos, i64(0, 1, 2, 8))
+    assert torch.equal(md.prefill_ctx_blocks, i64(3, 4, 5, 6))
+    assert torch.equal(md.prefill_ctx_block_req, i64(0, 1, 1, 1))
+    assert torch.equal(md.prefill_ctx_block_pos, i64(0, 0, 4, 8))
+    assert torch.equal(md.slot_mapping, torch.from_numpy(slots))
+
+
+def test_only_decodes_and_only_prefills() -> None:
+    q = np.array([1, 1], np.int64)
+    seq = np.array([3, 9], np.int64)
+    table = np.array([[4, 0, 0], [5, 6, 7]], np.int64)
+    slots = np.array([4 * 4 + 2, 7 * 4 + 0], np.int64)
+    md = build_metadata(q, seq, table, slots, 4, StepShape(2, 3, 0, 0), CPU)
+    assert torch.equal(md.decode_block_table, torch.tensor([[4, 0, 0], [5, 6, 7]]))
+    assert md.prefill_token_req.shape == (0,)
+    assert md.prefill_ctx_blocks.shape == (0,)
+
+    q = np.array([2, 3], np.int64)
+    seq = np.array([2, 5], np.int64)
+    slots = np.array([16, 17, 22, 23, 24], np.int64)
+    md = build_metadata(q, seq, table, slots, 4, StepShape(0, 0, 5, 3), CPU)
+    assert md.decode_block_table.shape == (0, 0)
+    assert torch.equal(md.prefill_token_pos, i64(0, 1, 2, 3, 4))
+    assert torch.equal(md.prefill_ctx_blocks, i64(4, 5, 6))
+    assert torch.equal(md.prefill_ctx_block_pos, i64(0, 0, 4))
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_shape_too_small_names_the_field(name: str) -> None:
+    small = StepShape(**{f: getattr(EXACT, f) for f in FIELDS} | {name: 0})
+    assert getattr(small, name) < getattr(EXACT, name)
+    with pytest.raises(ValueError) as info:
+        build_metadata(Q, SEQ, TABLE, SLOTS, BS, small, CPU)
+    # The bucket's repr names every field; the rest of the message must name
+    # the offending one.
+    msg = str(info.value).replace(repr(small), "")
+    assert name in msg
+    for other in FIELDS:
+        if other != name and other not in name:
+            assert other not in msg, msg
+
+
+# ----------------------------------------------------------------------------
+# Property tests on random batches (decodes first)
+# ----------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> dict:
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    n_dec = draw(st.integers(0, 4))
+    n_pre = draw(st.integers(0 if n_dec else 1, 4))
+    seq_lens, query_lens = [], []
+    for _ in range(n_dec):
+        seq_lens.append(draw(st.integers(1, 40)))
+        query_lens.append(1)
+    for i in range(n_pre):
+        # The first prefill right after the decodes must not look like one.
+        lo = 2 if (i == 0 and n_dec) else 1
+        seq = draw(st.integers(lo, 40))
+        query_lens.append(draw(st.integers(lo, seq)))
+        seq_lens.append(seq)
+    blocks = [math.ceil(s / bs) for s in seq_lens]
+    ids = draw(st.permutations(range(1, sum(blocks) + 20)))
+    block_ids, k = [], 0
+    for n in blocks:
+        block_ids.append(list(ids[k : k + n]))
+        k += n
+    extra = draw(st.integers(0, 3))
+    width = max(blocks) + extra
+    junk = draw(st.sampled_from([0, 1000]))
+    table = np.full((len(blocks), width), junk, np.int64)
+    for r, b in enumerate(block_ids):
+        table[r, : len(b)] = b
+    pads = [draw(st.integers(0, 3)) for _ in FIELDS]
+    return {
+        "bs": bs,
+        "query_lens": np.array(query_lens, np.int64),
+        "seq_lens": np.array(seq_lens, np.int64),
+        "block_ids": block_ids,
+        "table": table,
+        "pads": pads,
+    }
+
+
+def reference_tokens(b: dict) -> list[tuple[int, int, int]]:
+    """(request, position, slot) of every real token, in batch order."""
+    out = []
+    for r, (q, s) in enumerate(zip(b["query_lens"], b["seq_lens"], strict=True)):
+        for pos in range(int(s - q), int(s)):
+            blk = b["block_ids"][r][pos // b["bs"]]
+            out.append((r, pos, blk * b["bs"] + pos % b["bs"]))
+    return out
+
+
+def padded_shape(b: dict) -> StepShape:
+    real = exact_shape(b["query_lens"], b["seq_lens"], b["bs"])
+    return StepShape(
+        *(getattr(real, f) + p for f, p in zip(FIELDS, b["pads"], strict=True))
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_properties_of_random_batches(b: dict) -> None:
+    bs, q, seq = b["bs"], b["query_lens"], b["seq_lens"]
+    n_dec = 0
+    while n_dec < len(q) and q[n_dec] == 1:
+        n_dec += 1
+    tokens = reference_tokens(b)
+    slots_in = np.array([s for _, _, s in tokens], np.int64)
+    shape = padded_shape(b)
+    md = build_metadata(q, seq, b["table"], slots_in, bs, shape, CPU)
+
+    # token_row_of_real_tokens: strictly increasing injection into the rows,
+    # decode tokens into decode rows, prefill tokens into prefill rows.
+    rows = token_row_of_real_tokens(q, shape)
+    assert rows.shape == (len(tokens),)
+    assert np.all(np.diff(rows) > 0)
+    assert rows.size == 0 or (rows[0] >= 0 and rows[-1] < shape.num_tokens)
+    assert np.all(rows[:n_dec] < shape.num_decodes)
+    assert np.all(rows[n_dec:] >= shape.num_decodes)
+    assert rows[:n_dec].tolist() == list(range(n_dec))
+
+    # Slots: every real token's slot at its row; every other row the null slot 0.
+    slot_map = md.slot_mapping.numpy()
+    assert slot_map.shape == (shape.num_tokens,)
+    for row, (r, pos, slot) in zip(rows, tokens, strict=True):
+        assert slot == b["block_ids"][r][pos // bs] * bs + pos % bs
+        assert slot_map[row] == slot
+    pad_rows = np.setdiff1d(np.arange(shape.num_tokens), rows)
+    assert np.all(slot_map[pad_rows] == 0)
+    assert md.num_actual_tokens == len(tokens)
+
+    # Decode rows: table = the request's blocks then 0; seq len; 0 on padding.
+    table = md.decode_block_table.numpy()
+    assert table.shape == (shape.num_decodes, shape.decode_blocks)
+    for r in range(shape.num_decodes):
+        want = [0] * shape.decode_blocks
+        if r < n_dec:
+            ids = b["block_ids"][r]
+            want[: len(ids)] = ids
+            assert md.decode_seq_lens[r] == seq[r]
+            # The row's own slot agrees with its table.
+            p = int(seq[r]) - 1
+            assert slot_map[r] == table[r, p // bs] * bs + p % bs
+        else:
+            assert md.decode_seq_lens[r] == 0
+        assert table[r].tolist() == want
+
+    # Prefill tokens: (request, position) per row, -1/0 on padding.
+    tok_req = md.prefill_token_req.numpy()
+    tok_pos = md.prefill_token_pos.numpy()
+    assert tok_req.shape == tok_pos.shape == (shape.num_prefill_tokens,)
+    pre = tokens[n_dec:]
+    for i, (r, pos, _) in enumerate(pre):
+        assert tok_req[i] == r - n_dec
+        assert tok_pos[i] == pos
+    assert np.all(tok_req[len(pre) :] == -1)
+    assert np.all(tok_pos[len(pre) :] == 0)
+
+    # Context blocks: every block of every prefill request exactly once, with
+    # its position; everything else padding (block 0, request -2).
+    ctx = md.prefill_ctx_blocks.numpy()
+    ctx_req = md.prefill_ctx_block_req.numpy()
+    ctx_pos = md.prefill_ctx_block_pos.numpy()
+    assert ctx.shape == ctx_req.shape == ctx_pos.shape == (shape.prefill_blocks,)
+    seen = set()
+    for r in range(n_dec, len(q)):
+        for j, blk in enumerate(b["block_ids"][r]):
+            hits = np.flatnonzero((ctx == blk) & (ctx_req == r - n_dec))
+            assert hits.size == 1, (r, j, blk)
+            assert ctx_pos[hits[0]] == j * bs
+            seen.add(int(hits[0]))
+    others = np.setdiff1d(np.arange(shape.prefill_blocks), sorted(seen))
+    assert np.all(ctx[others] == 0)
+    assert np.all(ctx_req[others] == -2)
+
+    # Each prefill row's slot is found through its request's context blocks.
+    for i in range(len(pre)):
+        pos = tok_pos[i]
+        own = np.flatnonzero(
+            (ctx_req == tok_req[i]) & (ctx_pos <= pos) & (pos < ctx_pos + bs)
+        )
+        assert own.size == 1
+        assert slot_map[shape.num_decodes + i] == ctx[own[0]] * bs + pos % bs
+
+
+# ----------------------------------------------------------------------------
+# Metadata + kernels end to end, against a per-request reference
+# ----------------------------------------------------------------------------
+
+
+def reference_attention(
+    query: torch.Tensor,  # [Tq, H, D]
+    keys: torch.Tensor,  # [L, Hkv, D], position order
+    values: torch.Tensor,
+    positions: list[int],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    group = query.shape[1] // keys.shape[1]
+    k_rep = keys.double().repeat_interleave(group, dim=1)
+    v_rep = values.double().repeat_interleave(group, dim=1)
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for t, qp in enumerate(positions):
+        idx = [
+            k
+            for k in range(keys.shape[0])
+            if k <= qp and (window is None or k > qp - window)
+        ]
+        for h in range(query.shape[1]):
+            w = torch.softmax((k_rep[idx, h] @ query[t, h].double()) * scale, dim=0)
+            out[t, h] = w @ v_rep[idx, h]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_metadata_drives_kernels_like_the_reference(
+    block_size: int, window: int | None
+) -> None:
+    """A mixed step (decodes + chunked prefills), padded, through the kernels."""
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head = 4, 2, 8
+    scale = 0.35
+    # (computed, query) per request, decodes first.
+    specs = [(4, 1), (20, 1), (0, 1), (0, 9), (7, 5), (33, 2)]
+    q = np.array([n for _, n in specs], np.int64)
+    seq = np.array([c + n for c, n in specs], np.int64)
+    blocks = [math.ceil(s / block_size) for s in seq]
+    num_blocks = sum(blocks) + 5
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_ids = []
+    for n in blocks:
+        block_ids.append(perm[:n])
+        perm = perm[n:]
+    table = np.zeros((len(specs), max(blocks)), np.int64)
+    for r, ids in enumerate(block_ids):
+        table[r, : len(ids)] = ids
+
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head, generator=gen)
+    keys = [torch.randn(int(s), num_kv_heads, head, generator=gen) for s in seq]
+    values = [torch.randn(int(s), num_kv_heads, head, generator=gen) for s in seq]
+    queries = [torch.randn(int(n), num_heads, head, generator=gen) for n in q]
+    for r, (c, _) in enumerate(specs):  # prior context
+        for p in range(c):
+            b, o = block_ids[r][p // block_size], p % block_size
+            cache[0, b, o], cache[1, b, o] = keys[r][p], values[r][p]
+    slots = np.array(
+        [
+            block_ids[r][p // block_size] * block_size + p % block_size
+            for r, (c, n) in enumerate(specs)
+            for p in range(c, c + n)
+        ],
+        np.int64,
+    )
+
+    real = exact_shape(q, seq, block_size)
+    shape = StepShape(
+        real.num_decodes + 2,
+        real.decode_blocks + 1,
+        real.num_prefill_tokens + 3,
+        real.prefill_blocks + 2,
+    )
+    md = build_metadata(q, seq, table, slots, block_size, shape, CPU)
+    rows = token_row_of_real_tokens(q, shape)
+
+    n_rows = shape.num_tokens
+    query = torch.randn(n_rows, num_heads, head, generator=gen)
+    key = torch.randn(n_rows, num_kv_heads, head, generator=gen) * 100
+    value = torch.randn(n_rows, num_kv_heads, head, generator=gen) * 100
+    k = 0
+    for r, (c, n) in enumerate(specs):
+        idx = torch.from_numpy(rows[k : k + n])
+        query[idx] = queries[r]
+        key[idx] = keys[r][c:]
+        value[idx] = values[r][c:]
+        k += n
+
+    write_kv(cache, key, value, md.slot_mapping)
+    nd = md.num_decodes
+    out = torch.cat(
+        [
+            decode_attention(
+                query[:nd],
+                cache,
+                md.decode_block_table,
+                md.decode_seq_lens,
+                scale,
+                window,
+            ),
+            prefill_attention(
+                query[nd:],
+                cache,
+                md.prefill_token_req,
+                md.prefill_token_pos,
+                md.prefill_ctx_blocks,
+                md.prefill_ctx_block_req,
+                md.prefill_ctx_block_pos,
+                scale,
+                window,
+            ),
+        ]
+    )
+    assert torch.isfinite(out).all()
+    k = 0
+    for r, (c, n) in enumerate(specs):
+        want = reference_attention(
+            queries[r], keys[r], values[r], list(range(c, c + n)), scale, window
+        )
+        got = out[torch.from_numpy(rows[k : k + n])].double()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        k += n

@@ -295,3 +295,13 @@ def test_metrics(server: Server) -> None:
     response = requests.get(server.url + "/metrics", timeout=10)
     assert response.status_code == 200
     assert "vllm:" in response.text
+    # The plugin's counters live in the engine's worker process and still reach
+    # the API server's /metrics (multiprocess mode set up by register()).
+    scheduled = [
+        line
+        for line in response.text.splitlines()
+        if line.startswith("vllm_hpu_mm:scheduled_tokens_total")
+    ]
+    assert scheduled, "vllm_hpu_mm:scheduled_tokens_total missing from /metrics"
+    assert float(scheduled[0].split()[-1]) > 0
+    assert "vllm_hpu_mm:padded_tokens_total" in response.text

@@ -112,18 +112,20 @@ def default_buckets(
     token_step: int = 128,
     batch_step: int = 8,
     block_step: int = 16,
+    min_batch: int = 1,
 ) -> BucketSet:
     """Buckets for the whole range the limits allow."""
     max_batch = limits.max_num_seqs
+    min_batch = min(min_batch, max_batch)
     if strategy == "exponential":
         tokens = exponential(min(min_tokens, limits.max_tokens), limits.max_tokens)
-        batch = exponential(1, max_batch)
+        batch = exponential(min_batch, max_batch)
         blocks = exponential(1, limits.max_blocks)
     elif strategy == "linear":
         tokens = linear(
             min(min_tokens, limits.max_tokens), token_step, limits.max_tokens
         )
-        batch = linear(1, batch_step, max_batch)
+        batch = linear(min_batch, batch_step, max_batch)
         blocks = linear(1, block_step, limits.max_blocks)
     else:
         raise ValueError(
@@ -164,13 +166,16 @@ def smallest_fit(value: int, buckets: Sequence[int]) -> int | None:
     return buckets[lo] if lo < len(buckets) else None
 
 
-def fallback_size(value: int, buckets: Sequence[int]) -> int:
+def fallback_size(
+    value: int, buckets: Sequence[int], max_pad_ratio: float = 2.0
+) -> int:
     """Size for a value above every bucket: the next multiple of the largest
-    bucket's power-of-two alignment, so the pad is bounded by that alignment
-    (less than the value itself) and repeated outliers share a shape."""
+    bucket's power-of-two alignment (so repeated outliers share a shape), but
+    never more than ``max_pad_ratio`` times the value."""
     top = buckets[-1]
     align = 1 << (top.bit_length() - 1)
-    return math.ceil(value / align) * align
+    aligned = math.ceil(value / align) * align
+    return max(value, min(aligned, math.floor(value * max_pad_ratio)))
 
 
 def padding_ratio(real: Iterable[int], padded: Iterable[int]) -> float:

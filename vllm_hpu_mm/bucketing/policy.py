@@ -59,6 +59,7 @@ class Bucketer:
     """Pads steps to a BucketSet, counting and warning once per fallback size."""
 
     buckets: BucketSet
+    max_pad_ratio: float = 2.0  # a fallback pads to at most this x the size
     fallback_count: int = 0
     _warned: set[tuple[str, int]] = field(default_factory=set)
 
@@ -69,7 +70,7 @@ class Bucketer:
         fit = smallest_fit(value, values)
         if fit is not None:
             return fit
-        size = fallback_size(value, values)
+        size = fallback_size(value, values, self.max_pad_ratio)
         used.append(axis)
         if (axis, size) not in self._warned:
             self._warned.add((axis, size))

@@ -46,8 +46,10 @@ class HpuMMModelRunner:
         self.block_size: int = vllm_config.cache_config.block_size
         self.requests = RequestTable(device)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        bucketing = plugin_config.bucketing
         self.shapes = ShapePolicy(
-            bucket_set(engine_limits(vllm_config), plugin_config.bucketing)
+            bucket_set(engine_limits(vllm_config), bucketing),
+            bucketing.fallback_max_pad_ratio,
         )
         self.model: torch.nn.Module | None = None
         self.graphs: GraphRunner | None = None

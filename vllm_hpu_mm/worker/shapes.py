@@ -40,15 +40,18 @@ def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
         token_step=bucketing.prefill_step_tokens,
         batch_step=bucketing.decode_step_batch,
         block_step=bucketing.block_step,
+        min_batch=bucketing.decode_min_batch,
     )
 
 
 class ShapePolicy:
     """Pads each step to its bucket and counts real and padded tokens."""
 
-    def __init__(self, buckets: BucketSet | None) -> None:
+    def __init__(self, buckets: BucketSet | None, max_pad_ratio: float = 2.0) -> None:
         self.buckets = buckets
-        self.bucketer = Bucketer(buckets) if buckets is not None else None
+        self.bucketer = (
+            Bucketer(buckets, max_pad_ratio) if buckets is not None else None
+        )
 
     def __call__(self, exact: StepShape, num_reqs: int) -> tuple[StepShape, int]:
         metrics.SCHEDULED_TOKENS.inc(exact.num_tokens)

@@ -1,0 +1,138 @@
+"""Eager against graph mode on one model, side by side in one run.
+
+Each mode runs in its own process (a fresh engine and a fresh metrics dir) on
+the same seeded prompts, and reports: engine start and warmup seconds, graph
+compilations during warmup and while serving, padding %, and tokens/s.
+
+    .venv/bin/python benchmarks/graph_modes.py --model models/tiny-llama
+
+Figures, never pass/fail: machines are shared and noisy, so read the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def _counter(name: str, labels: dict[str, str] | None = None) -> float:
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(
+        registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    )
+    return registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def run_mode(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(5, 500) for _ in range(rng.randint(8, args.max_prompt))]
+        for _ in range(args.num_prompts)
+    ]
+    hpu_mm: dict[str, Any] = {
+        "graph_mode": args.mode,
+        "warmup": {"progress_bar": False},
+    }
+    if args.buckets:
+        hpu_mm["bucketing"] = {"strategy": "explicit", "file": args.buckets}
+    start = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=0,
+        additional_config={"hpu_mm": hpu_mm},
+    )
+    startup = time.perf_counter() - start
+    warmup = llm.llm_engine.vllm_config.compilation_config.compilation_time
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(map(len, prompts))
+    scheduled = _counter("vllm_hpu_mm:scheduled_tokens_total")
+    padded = _counter("vllm_hpu_mm:padded_tokens_total")
+    return {
+        "mode": args.mode,
+        "startup_s": round(startup, 2),
+        "warmup_s": round(float(warmup), 2),
+        "compiles_warmup": _counter(
+            "vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}
+        ),
+        "compiles_serving": _counter(
+            "vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}
+        ),
+        "padding_pct": round(100 * padded / max(padded + scheduled, 1), 2),
+        "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
+        "output_tok_s": round(out_tokens / elapsed, 1),
+        "elapsed_s": round(elapsed, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--buckets", default=None, help="explicit bucket YAML")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--mode", help=argparse.SUPPRESS)  # child process
+    args = p.parse_args(argv)
+
+    if args.mode:
+        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        return 0
+    rows = []
+    for mode in args.modes.split(","):
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=tempfile.mkdtemp())
+        child = [a for a in (argv if argv is not None else sys.argv[1:])]
+        proc = subprocess.run(
+            [sys.executable, __file__, *child, "--mode", mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            sys.stderr.write(proc.stderr[-4000:])
+            raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
+        rows.append(json.loads(lines[-1][len("RESULT ") :]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    if len(rows) == 2:
+        ratio = rows[1]["total_tok_s"] / max(rows[0]["total_tok_s"], 1e-9)
+        print(f"\n{rows[1]['mode']} / {rows[0]['mode']} throughput: {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,7 +8,7 @@ operator has not set one. Import this module only from worker-side code.
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 PREFIX = "vllm_hpu_mm:"
 
@@ -28,4 +28,9 @@ SCHEDULED_TOKENS = Counter(
 FALLBACK_BUCKETS = Counter(
     PREFIX + "fallback_buckets",
     "Steps whose shape fitted no prepared bucket and took the fallback size.",
+)
+WARMUP_SECONDS = Gauge(
+    PREFIX + "warmup_seconds",
+    "Seconds the last warmup took (0 when skipped).",
+    multiprocess_mode="max",
 )

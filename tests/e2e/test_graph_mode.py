@@ -92,3 +92,21 @@ def test_mixed_workload_adds_no_compilation_and_matches_hf(
     scheduled = _counter("vllm_hpu_mm:scheduled_tokens_total") - before_tokens
     assert scheduled >= sum(map(len, prompts)) + len(prompts) * (MAX_NEW - 1)
     assert _counter("vllm_hpu_mm:padded_tokens_total") > 0
+
+
+def test_prefix_cache_hit_reuses_blocks_without_compiling(
+    llm: object, tiny_llama_dir: str
+) -> None:
+    from vllm import SamplingParams
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(5, 500) for _ in range(90)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
+    second = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
+    # The second prefill starts from cached blocks (context blocks in the bucket).
+    assert (second[0].num_cached_tokens or 0) >= 64
+    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_NEW)[0]
+    assert list(first[0].outputs[0].token_ids) == expected
+    assert list(second[0].outputs[0].token_ids) == expected
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0

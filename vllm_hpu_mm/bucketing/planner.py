@@ -103,8 +103,9 @@ def plan_axis(
     values: sampled sizes of one axis; zeros (axis unused) and, when ``top`` is
     given, sizes above it (illegal: they take the fallback whatever the edges)
     are ignored. Repeats weigh in. top: forced as the last edge, so every legal
-    size fits; without it the last edge is the largest value. fixed: edges
-    forced in as well (they count towards ``max_buckets``).
+    size fits; without it the last edge is the largest value (or fixed edge).
+    fixed: edges forced in as well (they count towards ``max_buckets``; those
+    above ``top`` are dropped).
 
     Exact over the distinct values: ``O(k * n**2)`` time, ``O(n**2)`` memory.
     With more than ``max_distinct`` distinct values they are first rounded up to
@@ -440,15 +441,18 @@ def simulate_steps(
 # --------------------------------------------------------------------------
 
 
-def evaluate(buckets: BucketSet, samples: Iterable[StepSizes]) -> dict[str, Any]:
+def evaluate(
+    buckets: BucketSet, samples: Iterable[StepSizes], max_pad_ratio: float = 2.0
+) -> dict[str, Any]:
     """Pad every step with ``Bucketer`` and sum real and padded sizes.
 
     Padding % is ``100 * padding_ratio`` (share of padded rows that are
     padding) per axis: tokens (token rows), batch (logits rows), blocks (decode
     block-table width plus prefill context blocks). Fallback steps count with
-    their fallback sizes.
+    their fallback sizes (``max_pad_ratio``: ``hpu_mm.bucketing.
+    fallback_max_pad_ratio``).
     """
-    bucketer = Bucketer(buckets)
+    bucketer = Bucketer(buckets, max_pad_ratio=max_pad_ratio)
     real = {"tokens": 0, "batch": 0, "blocks": 0}
     padded = dict(real)
     steps = 0

@@ -197,6 +197,7 @@ def _engine_default(limits: Any, strategy: str) -> Any:
         token_step=cfg.prefill_step_tokens,
         batch_step=cfg.decode_step_batch,
         block_step=cfg.block_step,
+        min_batch=cfg.decode_min_batch,
     )
 
 

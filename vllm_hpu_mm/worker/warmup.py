@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 from vllm.forward_context import set_forward_context
+from vllm_hpu_mm import metrics
 
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
 
@@ -81,12 +82,14 @@ def warm_up(runner: HpuMMModelRunner) -> None:
             hidden = torch.zeros(n, hidden_size, dtype=dtype, device=runner.device)
             graphs.logits(hidden)
     graphs.counter.phase = "serving"
+    seconds = time.perf_counter() - start
+    metrics.WARMUP_SECONDS.set(seconds)
     decode = len(buckets.batch)
     prefill = len([t for t in buckets.tokens if t not in buckets.batch])
     logger.info(
         "Warmup finished in %.1f s: %d prefill + %d decode graphs "
         "(%d body sizes, %d logits sizes, %d compilations)",
-        time.perf_counter() - start,
+        seconds,
         prefill,
         decode,
         len(buckets.tokens),

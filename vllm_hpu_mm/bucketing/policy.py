@@ -96,8 +96,10 @@ class Bucketer:
         else:
             decodes = self._fit("batch", s.num_decodes, used)
             top = self.buckets.tokens[-1]
-            if decodes + s.prefill_tokens > top >= s.tokens:
-                decodes = top - s.prefill_tokens  # keep the total in the buckets
+            if decodes + s.prefill_tokens > top:
+                # Give back decode padding: keep the total inside the token
+                # buckets, or size a fallback from the real rows alone.
+                decodes = max(s.num_decodes, top - s.prefill_tokens)
             total = self._fit("tokens", decodes + s.prefill_tokens, used)
             prefill_tokens = total - decodes
             prefill_blocks = self._fit("blocks", s.prefill_blocks, used)

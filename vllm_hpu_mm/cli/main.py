@@ -124,7 +124,7 @@ def add_buckets_parser(subparsers: Any) -> None:
     )
     plan.add_argument(
         "--batch-weight",
-        type=float,
+        type=_non_negative,
         default=1.0,
         help="weight of the logits-row padding share against the token-row "
         "share when splitting the graph budget (default: 1.0)",
@@ -164,6 +164,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
 
 

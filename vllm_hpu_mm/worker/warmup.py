@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 from vllm.forward_context import set_forward_context
-from vllm_hpu_mm import metrics
 
+from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
 
 if TYPE_CHECKING:

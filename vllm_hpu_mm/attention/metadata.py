@@ -14,10 +14,14 @@ entries are described field by field and never touch a real KV slot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionMetadata
+
+if TYPE_CHECKING:
+    from vllm_hpu_mm.worker.buffers import DeviceBuffers
 
 from hpu_kernels.attention import PAD_BLOCK_REQ, PAD_TOKEN_REQ
 
@@ -113,6 +117,7 @@ def build_metadata(
     block_size: int,
     shape: StepShape,
     device: torch.device,
+    buffers: DeviceBuffers | None = None,
 ) -> HpuMMAttentionMetadata:
     """Build the step's metadata, padded to ``shape``.
 
@@ -120,6 +125,7 @@ def build_metadata(
     first; seq_lens: [R] context length after this step's tokens;
     block_table: [R, >= max blocks] block ids per request;
     slot_mapping: [sum(query_lens)] slots of the real tokens, in token-row order.
+    buffers: when given, the tensors are views of these reused device buffers.
     """
     num_dec = count_leading_decodes(query_lens)
     real = exact_shape(query_lens, seq_lens, block_size)
@@ -160,21 +166,23 @@ def build_metadata(
     slots[:num_dec] = slot_mapping[:num_dec]
     slots[shape.num_decodes : shape.num_decodes + n_tok] = slot_mapping[num_dec:]
 
-    def t(a: np.ndarray) -> torch.Tensor:
+    def t(a: np.ndarray, name: str) -> torch.Tensor:
+        if buffers is not None:
+            return buffers.put(name, a)
         return torch.from_numpy(a).to(device, non_blocking=True)
 
     return HpuMMAttentionMetadata(
         num_decodes=shape.num_decodes,
         num_prefill_tokens=shape.num_prefill_tokens,
         num_actual_tokens=int(query_lens.sum()),
-        slot_mapping=t(slots),
-        decode_block_table=t(dec_table),
-        decode_seq_lens=t(dec_seq),
-        prefill_token_req=t(tok_req),
-        prefill_token_pos=t(tok_pos),
-        prefill_ctx_blocks=t(ctx_blocks),
-        prefill_ctx_block_req=t(ctx_req),
-        prefill_ctx_block_pos=t(ctx_pos),
+        slot_mapping=t(slots, "slot_mapping"),
+        decode_block_table=t(dec_table, "decode_block_table"),
+        decode_seq_lens=t(dec_seq, "decode_seq_lens"),
+        prefill_token_req=t(tok_req, "prefill_token_req"),
+        prefill_token_pos=t(tok_pos, "prefill_token_pos"),
+        prefill_ctx_blocks=t(ctx_blocks, "prefill_ctx_blocks"),
+        prefill_ctx_block_req=t(ctx_req, "prefill_ctx_block_req"),
+        prefill_ctx_block_pos=t(ctx_pos, "prefill_ctx_block_pos"),
     )
 
 

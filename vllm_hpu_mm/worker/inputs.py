@@ -22,6 +22,7 @@ from vllm_hpu_mm.attention.metadata import (
     exact_shape,
     token_row_of_real_tokens,
 )
+from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.requests import RequestState
 
 
@@ -95,6 +96,7 @@ def build_step(
     shape_for: Callable[[StepShape, int], tuple[StepShape, int]],
     block_size: int,
     device: torch.device,
+    buffers: DeviceBuffers | None = None,
 ) -> StepBatch:
     """Gather, choose the bucket and pad.
 
@@ -116,15 +118,21 @@ def build_step(
     logits_rows = np.zeros(batch_rows, np.int64)
     logits_rows[: len(req_ids)] = rows[np.cumsum(query_lens) - 1]
     md = build_metadata(
-        query_lens, seq_lens, block_table, slots, block_size, shape, device
+        query_lens, seq_lens, block_table, slots, block_size, shape, device, buffers
     )
+
+    def t(a: np.ndarray, name: str) -> torch.Tensor:
+        if buffers is not None:
+            return buffers.put(name, a)
+        return torch.from_numpy(a).to(device)
+
     return StepBatch(
         req_ids=req_ids,
         query_lens=query_lens,
         seq_lens=seq_lens,
         shape=shape,
-        input_ids=torch.from_numpy(ids).to(device),
-        positions=torch.from_numpy(pos).to(device),
-        logits_rows=torch.from_numpy(logits_rows).to(device),
+        input_ids=t(ids, "input_ids"),
+        positions=t(pos, "positions"),
+        logits_rows=t(logits_rows, "logits_rows"),
         attn_metadata=md,
     )

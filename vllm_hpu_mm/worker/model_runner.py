@@ -24,6 +24,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
@@ -53,6 +54,7 @@ class HpuMMModelRunner:
         )
         self.model: torch.nn.Module | None = None
         self.graphs: GraphRunner | None = None
+        self.buffers = DeviceBuffers(device)
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # ---- set-up ------------------------------------------------------------------
@@ -134,7 +136,13 @@ class HpuMMModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int64
         )
         batch = build_step(
-            req_ids, states, query_lens, self.shapes, self.block_size, self.device
+            req_ids,
+            states,
+            query_lens,
+            self.shapes,
+            self.block_size,
+            self.device,
+            self.buffers,
         )
         logits = self.forward(batch)
         return self.sample(batch, states, logits)

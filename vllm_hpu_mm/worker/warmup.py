@@ -40,11 +40,13 @@ def _padding_only_step(runner: HpuMMModelRunner, num_tokens: int) -> None:
         runner.block_size,
         shape,
         runner.device,
+        runner.buffers,
     )
-    # Two distinct tensors, as in serving: Dynamo guards on aliasing, so one
+    # Distinct buffers, as in serving: Dynamo guards on aliasing, so one
     # tensor passed twice would compile a graph that serving never reuses.
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
-    positions = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    zeros = np.zeros(num_tokens, np.int64)
+    input_ids = runner.buffers.put("input_ids", zeros)
+    positions = runner.buffers.put("positions", zeros)
     assert runner.graphs is not None
     with set_forward_context(md, runner.vllm_config, num_tokens=num_tokens):
         runner.graphs.body(input_ids, positions)

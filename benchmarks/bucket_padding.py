@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, default_buckets
+from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, from_config
 from vllm_hpu_mm.bucketing.planner import (
     WORKLOADS,
     evaluate,
@@ -33,16 +33,9 @@ from vllm_hpu_mm.config import BucketingConfig
 
 def engine_default(limits: Limits, strategy: str) -> BucketSet:
     """What the engine prepares for ``strategy`` at the default settings."""
-    cfg = BucketingConfig()
-    return default_buckets(
-        limits,
-        strategy,
-        min_tokens=cfg.prefill_min_tokens,
-        token_step=cfg.prefill_step_tokens,
-        batch_step=cfg.decode_step_batch,
-        block_step=cfg.block_step,
-        min_batch=cfg.decode_min_batch,
-    )
+    buckets = from_config(limits, BucketingConfig(strategy=strategy))
+    assert buckets is not None
+    return buckets
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

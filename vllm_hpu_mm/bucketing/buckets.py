@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,3 +183,22 @@ def padding_ratio(real: Iterable[int], padded: Iterable[int]) -> float:
     """Share of padded rows that are padding: 1 - sum(real) / sum(padded)."""
     r, p = sum(real), sum(padded)
     return 0.0 if p == 0 else 1.0 - r / p
+
+
+def from_config(limits: Limits, bucketing: Any) -> BucketSet | None:
+    """The bucket set a ``hpu_mm.bucketing`` config asks for (None: off)."""
+    strategy = bucketing.strategy
+    if strategy == "off":
+        return None
+    if strategy == "explicit":
+        lists = bucketing.buckets
+        return explicit(limits, lists.prefill_tokens, lists.decode_batch, lists.blocks)
+    return default_buckets(
+        limits,
+        strategy,
+        min_tokens=bucketing.prefill_min_tokens,
+        token_step=bucketing.prefill_step_tokens,
+        batch_step=bucketing.decode_step_batch,
+        block_step=bucketing.block_step,
+        min_batch=bucketing.decode_min_batch,
+    )

@@ -193,19 +193,11 @@ def _limits(args: argparse.Namespace) -> Any:
 def _engine_default(limits: Any, strategy: str) -> Any:
     """The set the engine prepares for ``strategy`` with the default
     ``hpu_mm.bucketing`` settings."""
-    from vllm_hpu_mm.bucketing.buckets import default_buckets
+    from vllm_hpu_mm.bucketing.buckets import from_config
     from vllm_hpu_mm.config import BucketingConfig
 
-    cfg = BucketingConfig()
-    return default_buckets(
-        limits,
-        strategy,
-        min_tokens=cfg.prefill_min_tokens,
-        token_step=cfg.prefill_step_tokens,
-        batch_step=cfg.decode_step_batch,
-        block_step=cfg.block_step,
-        min_batch=cfg.decode_min_batch,
-    )
+    config = BucketingConfig(strategy=strategy)  # type: ignore[arg-type]
+    return from_config(limits, config)
 
 
 _STEP_KEYS = (

@@ -9,7 +9,7 @@ from vllm.config import VllmConfig
 
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape
-from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, default_buckets, explicit
+from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, from_config
 from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
 
 logger = logging.getLogger("vllm.hpu_mm.shapes")
@@ -27,21 +27,7 @@ def engine_limits(vllm_config: VllmConfig) -> Limits:
 
 def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
     """The configured buckets, or None when bucketing is off (exact shapes)."""
-    strategy = bucketing.strategy
-    if strategy == "off":
-        return None
-    if strategy == "explicit":
-        lists = bucketing.buckets
-        return explicit(limits, lists.prefill_tokens, lists.decode_batch, lists.blocks)
-    return default_buckets(
-        limits,
-        strategy,
-        min_tokens=bucketing.prefill_min_tokens,
-        token_step=bucketing.prefill_step_tokens,
-        batch_step=bucketing.decode_step_batch,
-        block_step=bucketing.block_step,
-        min_batch=bucketing.decode_min_batch,
-    )
+    return from_config(limits, bucketing)
 
 
 class ShapePolicy:

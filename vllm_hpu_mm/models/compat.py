@@ -1,0 +1,68 @@
+"""Import shims that let vLLM's in-tree model code load in the plugin's environment.
+
+Nothing here is registered on import: call the functions from the plugin's model
+registration, before vLLM imports the model modules they are about.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+# vLLM 0.33: llava.py -> pixtral.py -> this module -> torchvision.
+TORCHVISION_PIXTRAL_MODULE = "transformers.models.pixtral.image_processing_pixtral"
+# Its PIL twin in transformers 5: same ``_num_image_tokens`` and
+# ``get_resize_output_image_size`` (the two names vLLM and transformers' own
+# ``processing_pixtral`` import from the module above), no torchvision.
+PIL_PIXTRAL_MODULE = "transformers.models.pixtral.image_processing_pil_pixtral"
+
+
+def _torchvision_pixtral_importable() -> bool:
+    """Whether the torchvision-based pixtral image processor imports here.
+
+    False without torchvision, and also when a torchvision is installed that does not
+    load beside this torch (the registry's CUDA build next to a CPU torch raises
+    ``RuntimeError`` or ``OSError`` rather than ``ImportError``).
+    """
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        importlib.import_module(TORCHVISION_PIXTRAL_MODULE)
+    except Exception:  # any failure means "use the PIL twin"
+        sys.modules.pop(TORCHVISION_PIXTRAL_MODULE, None)
+        return False
+    return True
+
+
+def use_pil_pixtral_image_processor() -> None:
+    """Make ``import vllm.model_executor.models.llava`` work without torchvision.
+
+    Why: vLLM 0.33's ``llava.py`` imports its Pixtral code, whose module top does
+    ``from transformers.models.pixtral.image_processing_pixtral import
+    _num_image_tokens``; in transformers 5 that module is the torchvision backend
+    and imports ``torchvision`` at its top (so does ``PixtralProcessor``, which
+    llava.py also imports). Every LLaVA-family model in vLLM therefore needs
+    torchvision just to be imported, although LLaVA with a CLIP tower never calls
+    the Pixtral image processor. This points ``sys.modules`` entry
+    ``transformers.models.pixtral.image_processing_pixtral`` at the PIL twin
+    ``transformers.models.pixtral.image_processing_pil_pixtral``, whose helper
+    functions are identical. Only ``PixtralImageProcessor`` (the torchvision class)
+    is then missing from the aliased module; the PIL class is
+    ``PixtralImageProcessorPil``.
+
+    When: call it before vLLM imports ``vllm.model_executor.models.llava`` (or
+    ``pixtral``), i.e. from the plugin's model registration in every process. It
+    does nothing when torchvision works (the real module is then used), when the
+    real module is already imported, or when it was already called (idempotent).
+
+    When it can go: once torchvision is part of the environment (e.g. a matching
+    torch + torchvision pair), or once vLLM stops importing the torchvision-backed
+    module (or transformers stops importing torchvision there at module level).
+    """
+    if TORCHVISION_PIXTRAL_MODULE in sys.modules:
+        return  # already aliased, or the real one is already loaded
+    if _torchvision_pixtral_importable():
+        return
+    pil_module = importlib.import_module(PIL_PIXTRAL_MODULE)
+    sys.modules[TORCHVISION_PIXTRAL_MODULE] = pil_module

@@ -40,10 +40,13 @@ def _ensure_prometheus_multiprocess_dir() -> None:
     process's values only in prometheus_client's multiprocess mode, which must
     be chosen before prometheus_client is first imported (an operator's own
     PROMETHEUS_MULTIPROC_DIR is kept)."""
+    import atexit
     import os
+    import shutil
     import tempfile
 
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
-            prefix="vllm_hpu_mm_prom_"
-        )
+        path = tempfile.mkdtemp(prefix="vllm_hpu_mm_prom_")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        # Removed by the process that made it (children inherit the variable).
+        atexit.register(shutil.rmtree, path, ignore_errors=True)

@@ -1,0 +1,454 @@
+"""Device selection and the device-specific helpers of ``vllm_hpu_mm.device``.
+
+No Gaudi is needed: a fake ``habana_frameworks`` is served by a small recording
+import finder, and ``torch.hpu`` is a small recording object. The tests assert on
+what was imported and called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import vllm_hpu_mm
+from vllm_hpu_mm import device
+from vllm_hpu_mm.device import DEVICE_ENV, DeviceError, select_device
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HABANA = "habana_frameworks"
+HABANA_TORCH = "habana_frameworks.torch"
+HABANA_CORE = "habana_frameworks.torch.core"
+HABANA_NAMES = (HABANA, HABANA_TORCH, HABANA_CORE)
+PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+# ---- fakes ---------------------------------------------------------------------
+
+
+class FakeHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves fake ``habana_frameworks`` modules and records every import of them.
+
+    The modules are real ``types.ModuleType`` objects; ``core.mark_step`` appends
+    to ``calls``.
+    """
+
+    def __init__(self) -> None:
+        self.imports: list[str] = []
+        self.calls: list[str] = []
+        self.modules: dict[str, types.ModuleType] = {
+            name: types.ModuleType(name) for name in HABANA_NAMES
+        }
+        self.modules[HABANA].__path__ = []
+        self.modules[HABANA_TORCH].__path__ = []
+        self.modules[HABANA_CORE].mark_step = self._mark_step  # type: ignore[attr-defined]
+
+    def _mark_step(self) -> None:
+        self.calls.append("mark_step")
+
+    # importlib protocol
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.modules:
+            return None
+        return importlib.util.spec_from_loader(
+            fullname, self, is_package=fullname != HABANA_CORE
+        )
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return self.modules[spec.name]
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.imports.append(module.__name__)
+
+
+class FakeTorchHpu:
+    """Stands in for ``torch.hpu`` (which habana_frameworks adds); records calls."""
+
+    def __init__(self, limit: int = 96 * 1024**3, in_use: int = 10 * 1024**3) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.limit = limit
+        self.in_use = in_use
+
+    def memory_stats(self) -> dict[str, int]:
+        self.calls.append(("memory_stats", ()))
+        return {"Limit": self.limit, "InUse": self.in_use, "MaxInUse": self.in_use}
+
+    def synchronize(self) -> None:
+        self.calls.append(("synchronize", ()))
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.calls.append(("manual_seed_all", (seed,)))
+
+    def device_count(self) -> int:
+        self.calls.append(("device_count", ()))
+        return 8
+
+    def get_device_name(self, index: int = 0) -> str:
+        self.calls.append(("get_device_name", (index,)))
+        return "GAUDI2"
+
+
+# ---- fixtures ------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _fresh_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No forced device, no CUDA, no habana_frameworks; a fresh device choice."""
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in HABANA_NAMES:
+        # None in sys.modules makes the import fail (even on a real Gaudi host).
+        monkeypatch.setitem(sys.modules, name, None)
+    select_device.cache_clear()
+    yield
+    select_device.cache_clear()
+
+
+@pytest.fixture
+def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
+    """A host where ``habana_frameworks.torch`` imports (the fake one)."""
+    fake = FakeHabana()
+    for name in HABANA_NAMES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [fake, *sys.meta_path])
+    yield fake
+    # Imports put the fake modules in sys.modules; take them out again (the
+    # autouse fixture's monkeypatch then restores what was there before).
+    for name in HABANA_NAMES:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def torch_hpu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchHpu:
+    fake = FakeTorchHpu(limit=1000, in_use=300)
+    monkeypatch.setattr(torch, "hpu", fake, raising=False)
+    return fake
+
+
+@pytest.fixture
+def cuda_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.fixture
+def prom_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """PROMETHEUS_MULTIPROC_DIR unset, restored to its original state afterwards
+    (setenv first so monkeypatch also undoes a value that register() sets)."""
+    monkeypatch.setenv(PROM_ENV, "placeholder")
+    monkeypatch.delenv(PROM_ENV)
+    yield
+    made = os.environ.get(PROM_ENV)
+    if made and Path(made).name.startswith("vllm_hpu_mm_prom_"):
+        shutil.rmtree(made, ignore_errors=True)
+
+
+# ---- automatic choice ----------------------------------------------------------
+
+
+def test_auto_chooses_hpu_when_habana_imports(habana: FakeHabana) -> None:
+    choice = select_device()
+    assert choice.kind == "hpu"
+    assert "habana_frameworks.torch imports" in choice.reason
+    assert HABANA_TORCH in habana.imports
+    assert device.device_kind() == "hpu"
+
+
+def test_auto_prefers_hpu_over_cuda(habana: FakeHabana, cuda_available: None) -> None:
+    assert select_device().kind == "hpu"
+
+
+def test_auto_chooses_cuda_when_available(cuda_available: None) -> None:
+    choice = select_device()
+    assert choice.kind == "cuda"
+    assert "torch.cuda.is_available() is True" in choice.reason
+
+
+def test_auto_chooses_cpu_when_nothing() -> None:
+    choice = select_device()
+    assert choice.kind == "cpu"
+    assert choice.reason == "no habana_frameworks and no CUDA device"
+
+
+def test_choice_is_cached_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = select_device()
+    monkeypatch.setenv(DEVICE_ENV, "definitely-not-a-device")
+    assert select_device() is first  # no re-read until cache_clear()
+
+
+# ---- VLLM_HPU_MM_DEVICE --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"), [("cpu", "cpu"), (" CPU ", "cpu"), ("Cuda", "cuda")]
+)
+def test_env_forces_device(
+    monkeypatch: pytest.MonkeyPatch,
+    habana: FakeHabana,
+    cuda_available: None,
+    value: str,
+    kind: str,
+) -> None:
+    monkeypatch.setenv(DEVICE_ENV, value)
+    choice = select_device()
+    assert choice.kind == kind
+    assert choice.reason == f"forced by {DEVICE_ENV}={kind}"
+
+
+def test_env_forces_hpu(monkeypatch: pytest.MonkeyPatch, habana: FakeHabana) -> None:
+    monkeypatch.setenv(DEVICE_ENV, "hpu")
+    assert select_device().kind == "hpu"
+    assert HABANA_TORCH in habana.imports
+
+
+def test_env_invalid_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEVICE_ENV, "tpu")
+    with pytest.raises(DeviceError) as info:
+        select_device()
+    msg = str(info.value)
+    assert f"{DEVICE_ENV}='tpu' is not one of hpu, cuda, cpu" in msg
+    assert "unset it to choose automatically" in msg
+
+
+def test_env_forced_hpu_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEVICE_ENV, "hpu")
+    with pytest.raises(DeviceError) as info:
+        select_device()
+    msg = str(info.value)
+    assert f"{DEVICE_ENV}=hpu but that device is not available here" in msg
+    assert "habana_frameworks.torch does not import" in msg
+
+
+def test_env_forced_cuda_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    with pytest.raises(DeviceError) as info:
+        select_device()
+    msg = str(info.value)
+    assert f"{DEVICE_ENV}=cuda but that device is not available here" in msg
+    assert "torch.cuda.is_available() is False" in msg
+
+
+def test_device_error_is_a_runtime_error() -> None:
+    assert issubclass(DeviceError, RuntimeError)
+
+
+# ---- mark_step -----------------------------------------------------------------
+
+
+def test_mark_step_on_hpu_calls_core_once(habana: FakeHabana) -> None:
+    device.mark_step()
+    assert habana.calls == ["mark_step"]
+    assert HABANA_CORE in habana.imports
+
+
+def test_mark_step_on_cpu_does_nothing(
+    monkeypatch: pytest.MonkeyPatch, habana: FakeHabana
+) -> None:
+    # habana_frameworks is importable, but the operator forced the CPU.
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    device.mark_step()
+    assert habana.calls == []
+    assert HABANA_CORE not in habana.imports
+
+
+def test_mark_step_on_plain_cpu_host_does_nothing() -> None:
+    device.mark_step()  # no habana_frameworks at all: must not try to import it
+    assert device.device_kind() == "cpu"
+
+
+# ---- per-device facts ----------------------------------------------------------
+
+
+def test_facts_on_hpu(habana: FakeHabana) -> None:
+    assert device.torch_device() == torch.device("hpu", 0)
+    assert device.torch_device(3) == torch.device("hpu", 3)
+    assert device.dist_backend() == "hccl"
+    assert HABANA_CORE not in habana.imports
+    assert device.compile_backend() == "hpu_backend"
+    # Importing core is what registers "hpu_backend" with torch.compile.
+    assert HABANA_CORE in habana.imports
+    assert habana.calls == []  # no mark_step as a side effect
+
+
+def test_facts_on_cuda(cuda_available: None) -> None:
+    assert device.torch_device() == torch.device("cuda", 0)
+    assert device.torch_device(1) == torch.device("cuda", 1)
+    assert device.dist_backend() == "nccl"
+    assert device.compile_backend() == "inductor"
+
+
+def test_facts_on_cpu() -> None:
+    assert device.torch_device() == torch.device("cpu")
+    assert device.torch_device(5) == torch.device("cpu")
+    assert device.dist_backend() == "gloo"
+    assert device.compile_backend() == "inductor"
+    assert device.device_count() == 1
+    assert device.device_name() == "cpu"
+    assert device.peak_memory_bytes() == 0
+
+
+def test_hpu_helpers_go_to_torch_hpu(
+    habana: FakeHabana, torch_hpu: FakeTorchHpu
+) -> None:
+    device.synchronize()
+    device.manual_seed_all(7)
+    assert device.device_count() == 8
+    assert device.device_name(2) == "GAUDI2"
+    assert torch_hpu.calls == [
+        ("synchronize", ()),
+        ("manual_seed_all", (7,)),
+        ("device_count", ()),
+        ("get_device_name", (2,)),
+    ]
+
+
+def test_cpu_helpers_leave_torch_hpu_alone(torch_hpu: FakeTorchHpu) -> None:
+    device.synchronize()
+    device.manual_seed_all(7)
+    device.empty_cache()
+    assert device.memory_info()[1] > 0
+    assert torch_hpu.calls == []
+
+
+# ---- memory_info ---------------------------------------------------------------
+
+
+def test_memory_info_on_cpu_is_sane() -> None:
+    available, total = device.memory_info()
+    assert isinstance(available, int)
+    assert isinstance(total, int)
+    assert 0 < available <= total
+    assert total >= 64 * 1024**2  # any host running these tests has more
+    assert device.total_memory() == total
+
+
+def test_memory_info_on_hpu_reads_memory_stats(
+    habana: FakeHabana, torch_hpu: FakeTorchHpu
+) -> None:
+    assert device.memory_info() == (700, 1000)  # (Limit - InUse, Limit)
+    assert torch_hpu.calls == [("memory_stats", ())]
+    assert device.total_memory() == 1000
+
+
+# ---- register() ----------------------------------------------------------------
+
+EXPECTED_PLATFORM = {
+    # kind: (class path, device_type, dist_backend, ray_device_key)
+    "hpu": ("vllm_hpu_mm.platform.HpuMMPlatform", "hpu", "hccl", "HPU"),
+    "cuda": ("vllm_hpu_mm.platform.CudaMMPlatform", "cuda", "nccl", "GPU"),
+    "cpu": ("vllm_hpu_mm.platform.CpuMMPlatform", "cpu", "gloo", "HPU"),
+}
+
+
+def _resolve(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type)
+    return cls
+
+
+@pytest.mark.parametrize("kind", ["hpu", "cuda", "cpu"])
+def test_register_returns_platform_of_device(
+    request: pytest.FixtureRequest, prom_env: None, kind: str
+) -> None:
+    if kind == "hpu":
+        request.getfixturevalue("habana")
+    elif kind == "cuda":
+        request.getfixturevalue("cuda_available")
+    path, device_type, dist_backend, ray_key = EXPECTED_PLATFORM[kind]
+
+    assert vllm_hpu_mm.register() == path
+
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    cls = _resolve(path)
+    assert issubclass(cls, Platform)
+    assert cls._enum == PlatformEnum.OOT
+    assert cls.device_type == device_type
+    assert cls.device_name == device_type
+    assert cls.dist_backend == dist_backend
+    assert cls.ray_device_key == ray_key
+    # The module-level device helper agrees with the platform class.
+    assert device.dist_backend() == dist_backend
+
+
+def test_register_sets_prometheus_dir_when_unset(prom_env: None) -> None:
+    assert PROM_ENV not in os.environ
+    vllm_hpu_mm.register()
+    made = os.environ.get(PROM_ENV)
+    assert made
+    assert Path(made).is_dir()
+    assert Path(made).name.startswith("vllm_hpu_mm_prom_")
+
+
+def test_register_sets_prometheus_dir_when_empty(
+    monkeypatch: pytest.MonkeyPatch, prom_env: None
+) -> None:
+    monkeypatch.setenv(PROM_ENV, "")
+    vllm_hpu_mm.register()
+    assert os.environ[PROM_ENV]
+    assert Path(os.environ[PROM_ENV]).is_dir()
+
+
+def test_register_keeps_operator_prometheus_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(PROM_ENV, str(tmp_path))
+    vllm_hpu_mm.register()
+    assert os.environ[PROM_ENV] == str(tmp_path)
+
+
+def test_register_propagates_forced_device_error(
+    monkeypatch: pytest.MonkeyPatch, prom_env: None
+) -> None:
+    monkeypatch.setenv(DEVICE_ENV, "hpu")
+    with pytest.raises(DeviceError, match="not available here"):
+        vllm_hpu_mm.register()
+
+
+# ---- design rule ---------------------------------------------------------------
+
+_DEVICE_SPECIFIC = re.compile(r"habana_frameworks|torch\s*\.\s*cuda")
+
+
+def _package_sources() -> list[Path]:
+    files = [
+        p
+        for top in ("vllm_hpu_mm", "hpu_kernels")
+        for p in sorted((REPO_ROOT / top).rglob("*.py"))
+    ]
+    assert files, "no sources found: wrong REPO_ROOT?"
+    return files
+
+
+def test_only_device_module_touches_habana_or_torch_cuda() -> None:
+    device_py = REPO_ROOT / "vllm_hpu_mm" / "device.py"
+    offenders = []
+    for path in _package_sources():
+        if path == device_py:
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if _DEVICE_SPECIFIC.search(line):
+                rel = path.relative_to(REPO_ROOT)
+                offenders.append(f"{rel}:{lineno}: {line.strip()}")
+    assert not offenders, (
+        "only vllm_hpu_mm/device.py may mention habana_frameworks or torch.cuda; "
+        "go through vllm_hpu_mm.device instead:\n" + "\n".join(offenders)
+    )
+    # The scan is not vacuous: device.py itself does mention both.
+    text = device_py.read_text()
+    assert "habana_frameworks" in text
+    assert "torch.cuda" in text

@@ -1,0 +1,235 @@
+"""The platform's start-up config steps and per-request checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm import PoolingParams, SamplingParams
+from vllm.config import CompilationMode, CUDAGraphMode
+
+from vllm_hpu_mm.platform import CpuMMPlatform, HpuMMPlatform
+from vllm_hpu_mm.platform_config import (
+    DEFAULT_BLOCK_SIZE,
+    WORKER_CLS,
+    UnsupportedConfigError,
+    _reject_unsupported,
+    _set_block_size,
+    _set_scheduling,
+    update_vllm_config,
+    validate_sampling_params,
+)
+
+SUPPORTED_LIST = "supported: temperature, top_p, top_k, seed"
+
+
+# ---- a stand-in VllmConfig -----------------------------------------------------
+
+
+def make_config(**overrides: Any) -> SimpleNamespace:
+    """Exactly the attributes update_vllm_config reads (a missing one would be an
+    AttributeError, so the test also pins down what the code looks at)."""
+    cfg = SimpleNamespace(
+        additional_config={},
+        speculative_config=None,
+        lora_config=None,
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(runner_type="generate"),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, worker_cls="auto"),
+        cache_config=SimpleNamespace(block_size=None, user_specified_block_size=False),
+        scheduler_config=SimpleNamespace(
+            async_scheduling=True,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            enable_chunked_prefill=True,
+        ),
+        compilation_config=SimpleNamespace(
+            mode=CompilationMode.VLLM_COMPILE,
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+            cudagraph_capture_sizes=[1, 2, 4],
+            max_cudagraph_capture_size=4,
+        ),
+    )
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+# ---- update_vllm_config ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("device_type", "block"), [("hpu", 128), ("cpu", 16)])
+def test_update_sets_defaults(device_type: str, block: int) -> None:
+    cfg = make_config()
+    update_vllm_config(cfg, device_type)  # type: ignore[arg-type]
+    assert cfg.cache_config.block_size == block
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.parallel_config.worker_cls == WORKER_CLS
+    cc = cfg.compilation_config
+    assert cc.mode == CompilationMode.NONE
+    assert cc.cudagraph_mode == CUDAGraphMode.NONE
+    assert cc.cudagraph_capture_sizes == []
+    assert cc.max_cudagraph_capture_size == 0
+
+
+def test_default_block_sizes() -> None:
+    assert DEFAULT_BLOCK_SIZE == {"hpu": 128, "cuda": 16, "cpu": 16}
+
+
+def test_update_replaces_foreign_worker() -> None:
+    cfg = make_config()
+    cfg.parallel_config.worker_cls = "some.other.Worker"
+    update_vllm_config(cfg, "cpu")  # type: ignore[arg-type]
+    assert cfg.parallel_config.worker_cls == WORKER_CLS
+
+
+def test_platform_check_and_update_config_uses_its_device() -> None:
+    hpu_cfg, cpu_cfg = make_config(), make_config()
+    HpuMMPlatform.check_and_update_config(hpu_cfg)  # type: ignore[arg-type]
+    CpuMMPlatform.check_and_update_config(cpu_cfg)  # type: ignore[arg-type]
+    assert hpu_cfg.cache_config.block_size == 128
+    assert cpu_cfg.cache_config.block_size == 16
+
+
+@pytest.mark.parametrize("device_type", ["hpu", "cpu"])
+def test_user_specified_block_size_is_kept(device_type: str) -> None:
+    cfg = make_config()
+    cfg.cache_config.block_size = 32
+    cfg.cache_config.user_specified_block_size = True
+    _set_block_size(cfg, device_type)  # type: ignore[arg-type]
+    assert cfg.cache_config.block_size == 32
+
+
+@pytest.mark.parametrize(("device_type", "block"), [("hpu", 128), ("cpu", 16)])
+def test_unspecified_block_size_is_replaced(device_type: str, block: int) -> None:
+    # vLLM may have filled in its own default (e.g. 16) without the user asking.
+    cfg = make_config()
+    cfg.cache_config.block_size = 64
+    _set_block_size(cfg, device_type)  # type: ignore[arg-type]
+    assert cfg.cache_config.block_size == block
+
+
+def test_user_specified_but_none_gets_default() -> None:
+    cfg = make_config()
+    cfg.cache_config.user_specified_block_size = True
+    _set_block_size(cfg, "hpu")  # type: ignore[arg-type]
+    assert cfg.cache_config.block_size == 128
+
+
+def test_scheduling_is_synchronous() -> None:
+    cfg = make_config()
+    _set_scheduling(cfg)  # type: ignore[arg-type]
+    assert cfg.scheduler_config.async_scheduling is False
+
+
+# ---- rejected features ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"speculative_config": SimpleNamespace()}, "speculative decoding"),
+        ({"lora_config": SimpleNamespace()}, "LoRA"),
+        (
+            {
+                "parallel_config": SimpleNamespace(
+                    pipeline_parallel_size=2, worker_cls="auto"
+                )
+            },
+            "pipeline parallelism (--pipeline-parallel-size 2)",
+        ),
+        ({"model_config": SimpleNamespace(runner_type="pooling")}, "'pooling'"),
+        ({"kv_transfer_config": SimpleNamespace()}, "KV transfer"),
+    ],
+)
+def test_reject_unsupported(overrides: dict[str, Any], named: str) -> None:
+    cfg = make_config(**overrides)
+    with pytest.raises(UnsupportedConfigError) as info:
+        _reject_unsupported(cfg)  # type: ignore[arg-type]
+    assert named in str(info.value)
+    assert str(info.value).startswith("vllm-hpu-mm does not support: ")
+    # Through the full update too, before anything is changed.
+    with pytest.raises(UnsupportedConfigError, match="does not support"):
+        update_vllm_config(cfg, "cpu")  # type: ignore[arg-type]
+    assert cfg.parallel_config.worker_cls == "auto"
+    assert cfg.cache_config.block_size is None
+    assert cfg.scheduler_config.async_scheduling is True
+
+
+def test_reject_names_every_problem_at_once() -> None:
+    cfg = make_config(
+        speculative_config=SimpleNamespace(),
+        lora_config=SimpleNamespace(),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=4, worker_cls="auto"),
+    )
+    with pytest.raises(UnsupportedConfigError) as info:
+        _reject_unsupported(cfg)  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert "speculative decoding" in msg
+    assert "LoRA" in msg
+    assert "pipeline parallelism" in msg
+    assert "use tensor parallelism" in msg
+
+
+def test_accepts_plain_config_and_missing_model_config() -> None:
+    _reject_unsupported(make_config())  # type: ignore[arg-type]
+    _reject_unsupported(make_config(model_config=None))  # type: ignore[arg-type]
+
+
+def test_unsupported_config_error_is_value_error() -> None:
+    assert issubclass(UnsupportedConfigError, ValueError)
+
+
+# ---- validate_sampling_params ---------------------------------------------------
+
+
+def test_accepts_supported_sampling_params() -> None:
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, seed=1, logprobs=2, stop=["x"]
+    )
+    validate_sampling_params(params)
+    CpuMMPlatform.validate_request(None, params)  # type: ignore[arg-type]
+
+
+def test_accepts_defaults() -> None:
+    validate_sampling_params(SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"min_p": 0.1}, "min_p=0.1"),
+        ({"logit_bias": {1: 1.0}}, "logit_bias="),
+        ({"min_tokens": 2}, "min_tokens=2"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs=1"),
+        ({"prompt_logprobs": 0}, "prompt_logprobs=0"),
+    ],
+)
+def test_rejects_unsupported_sampling_option(
+    kwargs: dict[str, Any], option: str
+) -> None:
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError) as info:
+        validate_sampling_params(params)
+    msg = str(info.value)
+    assert "does not support the sampling option(s)" in msg
+    assert option in msg
+    assert SUPPORTED_LIST in msg
+    with pytest.raises(ValueError, match="does not support"):
+        CpuMMPlatform.validate_request(None, params)  # type: ignore[arg-type]
+
+
+def test_rejection_lists_every_unsupported_option() -> None:
+    params = SamplingParams(min_p=0.2, min_tokens=3)
+    with pytest.raises(ValueError) as info:
+        validate_sampling_params(params)
+    assert "min_p=0.2" in str(info.value)
+    assert "min_tokens=3" in str(info.value)
+
+
+def test_rejects_pooling_params() -> None:
+    with pytest.raises(ValueError, match="generation requests only"):
+        validate_sampling_params(PoolingParams())
+    with pytest.raises(ValueError, match="generation requests only"):
+        CpuMMPlatform.validate_request(None, PoolingParams())  # type: ignore[arg-type]

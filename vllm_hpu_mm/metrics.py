@@ -34,3 +34,16 @@ WARMUP_SECONDS = Gauge(
     "Seconds the last warmup took (0 when skipped).",
     multiprocess_mode="max",
 )
+ENCODER_RUNS = Counter(
+    PREFIX + "encoder_runs",
+    "Multimodal items run through the encoder (once per item while cached).",
+)
+MM_ITEMS = Counter(
+    PREFIX + "mm_items",
+    "Multimodal items received in requests.",
+)
+ENCODER_CACHE_ITEMS = Gauge(
+    PREFIX + "encoder_cache_items",
+    "Encoder outputs currently cached in the worker.",
+    multiprocess_mode="max",
+)

@@ -1,9 +1,12 @@
-"""Models that the plugin registers with vLLM's ModelRegistry."""
+"""Models that the plugin registers or adapts, in every process that runs one."""
 
 from __future__ import annotations
 
 
 def register_all() -> None:
-    """Register every out-of-tree model. Idempotent; called in each process."""
-    # The multimodal models (Mllama) register here as they land.
-    return None
+    """Called from the ``vllm.general_plugins`` entry point. Idempotent."""
+    from vllm_hpu_mm.models.compat import use_pil_pixtral_image_processor
+
+    # vLLM's llava.py imports its Pixtral code, whose transformers image
+    # processor needs torchvision; the PIL twin computes the same token counts.
+    use_pil_pixtral_image_processor()

@@ -58,15 +58,26 @@ class GraphRunner:
         logger.info("vllm-hpu-mm graph mode: %s (backend %s)", mode, backend)
 
     def _run_body(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids=input_ids, positions=positions)
+        return self.model(
+            input_ids=input_ids, positions=positions, inputs_embeds=inputs_embeds
+        )
 
     def _run_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_rows)  # type: ignore[operator]
 
-    def body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self._body(input_ids, positions)
+    def body(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids, or (multimodal models) merged input embeddings."""
+        out = self._body(input_ids, positions, inputs_embeds)
         dev.mark_step()
         return out
 

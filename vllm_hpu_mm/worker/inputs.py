@@ -39,6 +39,7 @@ class StepBatch:
     logits_rows: torch.Tensor  # [batch bucket] token row of each request's last
     # token; padding rows repeat row 0 and their logits are dropped
     attn_metadata: HpuMMAttentionMetadata
+    row_starts: np.ndarray  # [R] token row of each request's first token
 
     @property
     def num_reqs(self) -> int:
@@ -134,5 +135,6 @@ def build_step(
         input_ids=t(ids, "input_ids"),
         positions=t(pos, "positions"),
         logits_rows=t(logits_rows, "logits_rows"),
+        row_starts=rows[np.cumsum(query_lens) - query_lens],
         attn_metadata=md,
     )

@@ -19,6 +19,7 @@ import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.interfaces import supports_multimodal
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
@@ -28,6 +29,7 @@ from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
+from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 from vllm_hpu_mm.worker.sampling import build_sampling_metadata
 from vllm_hpu_mm.worker.shapes import ShapePolicy, bucket_set, engine_limits
@@ -55,6 +57,7 @@ class HpuMMModelRunner:
         self.model: torch.nn.Module | None = None
         self.graphs: GraphRunner | None = None
         self.buffers = DeviceBuffers(device)
+        self.mm: MultimodalInputs | None = None  # set for multimodal models
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # ---- set-up ------------------------------------------------------------------
@@ -63,6 +66,8 @@ class HpuMMModelRunner:
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
         self.graphs = GraphRunner(self.model, self._graph_mode(), self._graph_backend())
+        if supports_multimodal(self.model):
+            self.mm = MultimodalInputs(self.model, self.device)
         logger.info(
             "Loaded %s in %.1f s on %s",
             self.model_config.model,
@@ -128,6 +133,9 @@ class HpuMMModelRunner:
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         self.requests.update(scheduler_output)
         zero_blocks(self.kv_caches, scheduler_output.new_block_ids_to_zero or [])
+        if self.mm is not None:
+            self.mm.on_new_requests(scheduler_output.scheduled_new_reqs)
+            self.mm.run_encoders(scheduler_output, self.requests)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         req_ids = order_requests(scheduler_output.num_scheduled_tokens)
@@ -144,17 +152,22 @@ class HpuMMModelRunner:
             self.device,
             self.buffers,
         )
-        logits = self.forward(batch)
+        logits = self.forward(batch, states)
         return self.sample(batch, states, logits)
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch, states: list[RequestState]) -> torch.Tensor:
         """Run the model on the padded batch; logits of each request's last row."""
         graphs = self.graphs
         assert graphs is not None, "load_model() first"
+        input_ids: torch.Tensor | None = batch.input_ids
+        embeds = None
+        if self.mm is not None:
+            embeds, batch.attn_metadata.mm_maps = self.mm.embed(batch, states)  # type: ignore[assignment]
+            input_ids = None
         with set_forward_context(
             batch.attn_metadata, self.vllm_config, num_tokens=batch.shape.num_tokens
         ):
-            hidden = graphs.body(batch.input_ids, batch.positions)
+            hidden = graphs.body(input_ids, batch.positions, embeds)
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
         return logits[: batch.num_reqs]
 

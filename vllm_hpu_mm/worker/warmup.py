@@ -48,8 +48,14 @@ def _padding_only_step(runner: HpuMMModelRunner, num_tokens: int) -> None:
     input_ids = runner.buffers.put("input_ids", zeros)
     positions = runner.buffers.put("positions", zeros)
     assert runner.graphs is not None
+    embeds = None
+    if runner.mm is not None:  # multimodal models run on merged embeddings
+        embeds = runner.mm.model.embed_input_ids(input_ids)
     with set_forward_context(md, runner.vllm_config, num_tokens=num_tokens):
-        runner.graphs.body(input_ids, positions)
+        if embeds is None:
+            runner.graphs.body(input_ids, positions)
+        else:
+            runner.graphs.body(None, positions, embeds)
 
 
 @torch.inference_mode()

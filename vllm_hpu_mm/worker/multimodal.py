@@ -1,0 +1,146 @@
+"""The runner's multimodal part: encode each item once, merge by row maps.
+
+Per step:
+
+1. ``run_encoders``: the items the scheduler schedules for encoding
+   (``scheduled_encoder_inputs``) that are not cached yet are batched by
+   modality and run through the model's ``embed_multimodal``; each output
+   (``[num_embeds, hidden]``, embedding-row index space) is cached under the
+   item's identifier until the scheduler frees it (``free_encoder_mm_hashes``).
+   An item whose chunk spans several steps is encoded once.
+2. ``embed``: the text embeddings of the step's token rows, then, per
+   modality, one ``index_copy_`` of encoder rows into the token rows their
+   placeholders occupy in this chunk (``multimodal.placeholders`` builds the
+   row maps, padded to a power of two; padding entries write a scratch row
+   past the end that nothing reads).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.multimodal.utils import group_and_batch_mm_kwargs
+
+from vllm_hpu_mm import metrics
+from vllm_hpu_mm.multimodal.placeholders import (
+    ItemPlacement,
+    PlaceholderMap,
+    RequestChunk,
+    build_placeholder_maps,
+    flat_source_rows,
+)
+from vllm_hpu_mm.worker.inputs import StepBatch
+from vllm_hpu_mm.worker.requests import RequestState, RequestTable
+
+logger = logging.getLogger("vllm.hpu_mm.multimodal")
+
+
+def next_pow2(n: int) -> int:
+    """Static length of a placeholder map with n entries (0 stays 0)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+class EncoderCache:
+    """Encoder outputs by item identifier, on the device."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.outputs
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        try:
+            return self.outputs[key]
+        except KeyError:
+            raise RuntimeError(
+                f"encoder output of item {key!r} is needed by this step but was "
+                "never computed or was already freed"
+            ) from None
+
+    def put(self, key: str, output: torch.Tensor) -> None:
+        self.outputs[key] = output
+        metrics.ENCODER_CACHE_ITEMS.set(len(self.outputs))
+
+    def free(self, keys: list[str]) -> None:
+        for key in keys:
+            self.outputs.pop(key, None)
+        metrics.ENCODER_CACHE_ITEMS.set(len(self.outputs))
+
+
+class MultimodalInputs:
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache = EncoderCache()
+
+    def on_new_requests(self, new_reqs: list[Any]) -> None:
+        count = sum(len(r.mm_features or []) for r in new_reqs)
+        if count:
+            metrics.MM_ITEMS.inc(count)
+
+    def run_encoders(self, scheduler_output: Any, requests: RequestTable) -> None:
+        self.cache.free(list(scheduler_output.free_encoder_mm_hashes or []))
+        pending: dict[str, tuple[str, Any]] = {}
+        for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
+            features = requests[req_id].mm_features
+            for i in indices:
+                f = features[i]
+                if f.data is None or f.identifier in self.cache:
+                    continue  # covered by the prefix cache, or already encoded
+                pending.setdefault(f.identifier, (f.modality, f.data))
+        if not pending:
+            return
+        keys = sorted(pending, key=lambda k: pending[k][0])  # group by modality
+        items = [pending[k] for k in keys]
+        outputs: list[torch.Tensor] = []
+        for _, num_items, kwargs in group_and_batch_mm_kwargs(
+            items, device=self.device
+        ):
+            batch_out = self.model.embed_multimodal(**kwargs)
+            if len(batch_out) != num_items:
+                raise RuntimeError(
+                    f"embed_multimodal returned {len(batch_out)} outputs for "
+                    f"{num_items} items"
+                )
+            outputs.extend(batch_out)
+        for key, out in zip(keys, outputs, strict=True):
+            self.cache.put(key, out)
+        metrics.ENCODER_RUNS.inc(len(keys))
+
+    def embed(
+        self, batch: StepBatch, states: list[RequestState]
+    ) -> tuple[torch.Tensor, dict[str, PlaceholderMap]]:
+        """[num_tokens, hidden] input embeddings of the step, and its row maps."""
+        num_tokens = batch.shape.num_tokens
+        text = self.model.embed_input_ids(batch.input_ids)  # [T, H]
+        chunks = [
+            RequestChunk(
+                chunk_start=s.num_computed_tokens,
+                chunk_len=int(n),
+                row_start=int(r),
+                items=tuple(
+                    ItemPlacement.from_range(f.identifier, f.modality, f.mm_position)
+                    for f in s.mm_features
+                ),
+            )
+            for s, n, r in zip(states, batch.query_lens, batch.row_starts, strict=True)
+            if s.mm_features
+        ]
+        maps = build_placeholder_maps(chunks, scratch_row=num_tokens, pad_to=next_pow2)
+        if not maps:
+            return text, maps
+        # One scratch row past the end takes the padding entries' writes.
+        embeds = torch.cat([text, text.new_zeros(1, text.shape[1])])
+        for m in maps.values():
+            outputs = [self.cache[k] for k in m.item_keys]
+            offsets = np.cumsum([0] + [o.shape[0] for o in outputs[:-1]])
+            src = flat_source_rows(m, dict(zip(m.item_keys, offsets, strict=True)))
+            flat = torch.cat(outputs).to(embeds.dtype)
+            rows = flat.index_select(0, torch.from_numpy(src).to(self.device))
+            dst = torch.from_numpy(m.dst_row).to(self.device)
+            embeds.index_copy_(0, dst, rows)
+        return embeds[:num_tokens], maps

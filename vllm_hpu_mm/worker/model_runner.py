@@ -67,12 +67,31 @@ class HpuMMModelRunner:
             self.model = get_model(vllm_config=self.vllm_config)
         self.graphs = GraphRunner(self.model, self._graph_mode(), self._graph_backend())
         if supports_multimodal(self.model):
-            self.mm = MultimodalInputs(self.model, self.device)
+            self.mm = MultimodalInputs(
+                self.model, self.device, self.graphs, self._max_encoder_items()
+            )
         logger.info(
             "Loaded %s in %.1f s on %s",
             self.model_config.model,
             time.perf_counter() - start,
             self.device,
+        )
+
+    def _max_encoder_items(self) -> int:
+        """Most items one encoder batch holds: the per-prompt limit of the
+        modality with the most, times the sequences of a step, capped at 8."""
+        mm_config = self.model_config.multimodal_config
+        limits = getattr(mm_config, "limit_per_prompt", None) or {}
+        per_prompt = max(
+            (
+                getattr(v, "count", v)
+                for v in limits.values()
+                if isinstance(getattr(v, "count", v), int)
+            ),
+            default=1,
+        )
+        return max(
+            1, min(8, per_prompt * self.vllm_config.scheduler_config.max_num_seqs)
         )
 
     def _graph_mode(self) -> str:

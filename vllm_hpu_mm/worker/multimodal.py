@@ -4,7 +4,9 @@ Per step:
 
 1. ``run_encoders``: the items the scheduler schedules for encoding
    (``scheduled_encoder_inputs``) that are not cached yet are batched by
-   modality and run through the model's ``embed_multimodal``; each output
+   modality, padded to an items-per-batch bucket (compiled once per bucket
+   in graph mode, prepared at warmup) and run through the model's
+   ``embed_multimodal``; each output
    (``[num_embeds, hidden]``, embedding-row index space) is cached under the
    item's identifier until the scheduler frees it (``free_encoder_mm_hashes``).
    An item whose chunk spans several steps is encoded once.
@@ -25,6 +27,7 @@ import torch
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 from vllm_hpu_mm.multimodal.placeholders import (
     ItemPlacement,
     PlaceholderMap,
@@ -32,10 +35,25 @@ from vllm_hpu_mm.multimodal.placeholders import (
     build_placeholder_maps,
     flat_source_rows,
 )
+from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 
 logger = logging.getLogger("vllm.hpu_mm.multimodal")
+
+
+def _slice_items(
+    kwargs: dict[str, Any], num_items: int, start: int, n: int
+) -> dict[str, Any]:
+    """Items [start, start+n) of a batch (per-item tensors have dim 0 = items)."""
+    if start == 0 and n == num_items:
+        return kwargs
+    return {
+        k: v[start : start + n]
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == num_items
+        else v
+        for k, v in kwargs.items()
+    }
 
 
 def next_pow2(n: int) -> int:
@@ -71,11 +89,66 @@ class EncoderCache:
         metrics.ENCODER_CACHE_ITEMS.set(len(self.outputs))
 
 
+def pad_items(kwargs: dict[str, Any], num_items: int, size: int) -> dict[str, Any]:
+    """Pad every per-item tensor (leading dim == num_items) to ``size`` items
+    by repeating the last item: real values, so the encoder stays finite."""
+    if size == num_items:
+        return kwargs
+    out: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim()
+            and value.shape[0] == num_items
+        ):
+            extra = value[-1:].expand(size - num_items, *value.shape[1:])
+            value = torch.cat([value, extra])
+        out[name] = value
+    return out
+
+
+class EncoderRunner:
+    """The vision (or other) encoder, bucketed by items per batch and, in graph
+    mode, compiled once per bucket through the same counting backend as the
+    language model."""
+
+    def __init__(self, model: Any, graphs: GraphRunner, max_items: int) -> None:
+        self.model = model
+        self.item_buckets = exponential(1, max(max_items, 1))
+        self._encode = model.embed_multimodal
+        if graphs.mode == "compile":
+            self._encode = torch.compile(
+                model.embed_multimodal, backend=graphs.counter, dynamic=False
+            )
+
+    def bucket(self, num_items: int) -> int:
+        fit = smallest_fit(num_items, self.item_buckets)
+        return num_items if fit is None else fit
+
+    def __call__(self, num_items: int, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        size = self.bucket(num_items)
+        # Inputs batched from a request may be ordinary tensors while warmup's
+        # are inference tensors; graph guards tell them apart, so normalise.
+        kwargs = {
+            k: v.clone() if isinstance(v, torch.Tensor) and not v.is_inference() else v
+            for k, v in kwargs.items()
+        }
+        outputs = self._encode(**pad_items(kwargs, num_items, size))
+        if len(outputs) != size:
+            raise RuntimeError(
+                f"embed_multimodal returned {len(outputs)} outputs for {size} items"
+            )
+        return list(outputs[:num_items])
+
+
 class MultimodalInputs:
-    def __init__(self, model: Any, device: torch.device) -> None:
+    def __init__(
+        self, model: Any, device: torch.device, graphs: GraphRunner, max_items: int
+    ) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache()
+        self.encoder = EncoderRunner(model, graphs, max_items)
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
         count = sum(len(r.mm_features or []) for r in new_reqs)
@@ -100,13 +173,11 @@ class MultimodalInputs:
         for _, num_items, kwargs in group_and_batch_mm_kwargs(
             items, device=self.device
         ):
-            batch_out = self.model.embed_multimodal(**kwargs)
-            if len(batch_out) != num_items:
-                raise RuntimeError(
-                    f"embed_multimodal returned {len(batch_out)} outputs for "
-                    f"{num_items} items"
+            for start in range(0, num_items, self.encoder.item_buckets[-1]):
+                n = min(self.encoder.item_buckets[-1], num_items - start)
+                outputs.extend(
+                    self.encoder(n, _slice_items(kwargs, num_items, start, n))
                 )
-            outputs.extend(batch_out)
         for key, out in zip(keys, outputs, strict=True):
             self.cache.put(key, out)
         metrics.ENCODER_RUNS.inc(len(keys))
@@ -144,3 +215,21 @@ class MultimodalInputs:
             dst = torch.from_numpy(m.dst_row).to(self.device)
             embeds.index_copy_(0, dst, rows)
         return embeds[:num_tokens], maps
+
+
+def warm_up_encoder(runner: Any, vllm_config: Any) -> int:
+    """Run every items-per-batch bucket of every active modality once, on the
+    model's own dummy inputs. Returns the number of encoder shapes prepared."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    mm: MultimodalInputs = runner.mm
+    budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
+    prepared = 0
+    for modality in budget.mm_max_toks_per_item:
+        for size in mm.encoder.item_buckets:
+            dummy = budget.get_dummy_encoder_profile_inputs(modality, size)
+            for _, n, kwargs in group_and_batch_mm_kwargs(dummy, device=mm.device):
+                mm.encoder(n, kwargs)
+            prepared += 1
+    return prepared

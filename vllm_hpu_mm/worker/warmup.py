@@ -20,6 +20,7 @@ from vllm.forward_context import set_forward_context
 
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
+from vllm_hpu_mm.worker.multimodal import warm_up_encoder
 
 if TYPE_CHECKING:
     from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
@@ -89,6 +90,9 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         else:
             hidden = torch.zeros(n, hidden_size, dtype=dtype, device=runner.device)
             graphs.logits(hidden)
+    encoder_shapes = 0
+    if runner.mm is not None:
+        encoder_shapes = warm_up_encoder(runner, runner.vllm_config)
     graphs.counter.phase = "serving"
     seconds = time.perf_counter() - start
     metrics.WARMUP_SECONDS.set(seconds)
@@ -96,11 +100,12 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     prefill = len([t for t in buckets.tokens if t not in buckets.batch])
     logger.info(
         "Warmup finished in %.1f s: %d prefill + %d decode graphs "
-        "(%d body sizes, %d logits sizes, %d compilations)",
+        "(%d body sizes, %d logits sizes, %d encoder sizes, %d compilations)",
         seconds,
         prefill,
         decode,
         len(buckets.tokens),
         len(buckets.batch),
+        encoder_shapes,
         graphs.compiles,
     )

@@ -1,0 +1,229 @@
+"""HF transformers reference for the tiny LLaVA (float32, CPU, greedy), and test images.
+
+- ``tiny_llava_dir()``: ``models/tiny-llava``, built with the repository's builder
+  on first use;
+- ``make_image`` / ``named_image``: deterministic Pillow images of several sizes and
+  aspect ratios (gradients, checkerboards, stripes, solid colours);
+- ``llava_prompt(n)``: the one prompt string both vLLM and HF get, with ``n``
+  ``<image>`` tokens;
+- ``hf_llava_greedy``: greedy continuation with ``LlavaForConditionalGeneration``
+  and the saved processor (eos disabled, so it always runs ``max_new_tokens``);
+- ``hf_llava_chat_inputs``: the prompt the chat template renders for a chat with
+  images, and its processed token ids, as ``vllm serve``'s chat endpoint builds it.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_hpu_mm.tools import build_tiny_llava as builder
+
+IMAGE_TOKEN = builder.IMAGE_TOKEN
+NUM_IMAGE_TOKENS = builder.NUM_IMAGE_TOKENS
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+
+
+def tiny_llava_dir() -> str:
+    """Path of ``models/tiny-llava`` (built on first use; kept when current)."""
+    return str(builder.build_tiny_llava(MODELS_DIR))
+
+
+# --- images ---------------------------------------------------------------------
+
+
+def make_image(kind: str, size: tuple[int, int], variant: int = 0) -> Any:
+    """A deterministic RGB ``PIL.Image`` of ``size`` = (width, height).
+
+    ``kind``: ``"gradient"``, ``"checkerboard"``, ``"stripes"`` or ``"solid"``.
+    ``variant`` changes the colours (and the cell size), so that images of one
+    kind and size can still differ (distinct encoder-cache keys).
+    """
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    v = variant
+    if kind == "gradient":
+        x = np.broadcast_to(np.linspace(0, 255, w, dtype=np.float32)[None, :], (h, w))
+        y = np.broadcast_to(np.linspace(0, 255, h, dtype=np.float32)[:, None], (h, w))
+        rgb = np.stack([(x + 37 * v) % 256, y, 255 - (x + y) / 2], axis=-1)
+    elif kind == "checkerboard":
+        cells = (np.indices((h, w)) // (4 + 2 * (v % 3))).sum(axis=0) % 2
+        rgb = np.stack(
+            [cells * 255, cells * (40 + 50 * v) % 256, 255 - cells * 255], axis=-1
+        )
+    elif kind == "stripes":
+        yy, xx = np.indices((h, w))
+        band = ((xx + yy) // (3 + v)) % 3
+        palette = np.array([[230, 20, 20], [20, 200, 40], [30, 30, 220]])
+        rgb = np.roll(palette, v, axis=0)[band]
+    elif kind == "solid":
+        colour = ((60 + 71 * v) % 256, (200 - 53 * v) % 256, (120 + 29 * v) % 256)
+        rgb = np.broadcast_to(np.array(colour), (h, w, 3))
+    else:
+        raise ValueError(f"unknown image kind {kind!r}")
+    return Image.fromarray(np.ascontiguousarray(rgb).astype(np.uint8), mode="RGB")
+
+
+# name -> (kind, (width, height)); sizes other than 32x32 are resized and
+# centre-cropped by the CLIP image processor (16 image tokens whatever the size).
+TEST_IMAGE_SPECS: dict[str, tuple[str, tuple[int, int]]] = {
+    "gradient_40x24": ("gradient", (40, 24)),
+    "checker_24x40": ("checkerboard", (24, 40)),
+    "solid_32x32": ("solid", (32, 32)),
+    "stripes_64x48": ("stripes", (64, 48)),
+}
+
+
+def named_image(name: str, variant: int = 0) -> Any:
+    """One of ``TEST_IMAGE_SPECS`` by name."""
+    kind, size = TEST_IMAGE_SPECS[name]
+    return make_image(kind, size, variant)
+
+
+def png_bytes(image: Any) -> bytes:
+    """The image encoded as PNG."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_data_url(image: Any) -> str:
+    """``data:image/png;base64,...`` for an OpenAI ``image_url`` content part."""
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+# --- prompts --------------------------------------------------------------------
+
+
+def llava_prompt(
+    num_images: int, question: str = "Describe the picture.", preamble: str = ""
+) -> str:
+    """The prompt text both sides get: one ``<image>`` token per image.
+
+    ``llava_prompt(1)`` is ``"USER: <image>\\nDescribe the picture. ASSISTANT:"``;
+    with 0 images there is no image token at all. ``preamble`` is text put before
+    the first image (it moves the images' placeholders relative to the chunk
+    boundaries of a chunked prefill).
+    """
+    images = (IMAGE_TOKEN + "\n") * num_images
+    return "USER: " + preamble + images + question + " ASSISTANT:"
+
+
+def image_offsets(prompt_ids: Sequence[int], image_token_id: int) -> list[int]:
+    """Start of each image's placeholder run in expanded prompt ids."""
+    return [
+        i
+        for i, t in enumerate(prompt_ids)
+        if t == image_token_id and (i == 0 or prompt_ids[i - 1] != image_token_id)
+    ]
+
+
+# --- HF reference ---------------------------------------------------------------
+
+
+@functools.cache
+def load_hf_llava(model_dir: str) -> Any:
+    """``LlavaForConditionalGeneration`` in float32, eval, eos disabled."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    # vLLM runs with ignore_eos=True in the comparisons: never stop early here.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.cache
+def load_hf_processor(model_dir: str) -> Any:
+    """The saved ``LlavaProcessor`` (PIL CLIP image processor)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def hf_llava_inputs(
+    model_dir: str,
+    prompt_text: str,
+    images: Sequence[Any],
+    add_special_tokens: bool = True,
+) -> Any:
+    """The processor's tensors for one prompt (``<image>`` expanded to 16 ids)."""
+    processor = load_hf_processor(model_dir)
+    assert prompt_text.count(IMAGE_TOKEN) == len(images), (prompt_text, len(images))
+    return processor(
+        text=prompt_text,
+        images=list(images) or None,
+        add_special_tokens=add_special_tokens,
+        return_tensors="pt",
+    )
+
+
+def hf_llava_prompt_ids(
+    model_dir: str,
+    prompt_text: str,
+    images: Sequence[Any],
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """The expanded prompt ids (what vLLM reports as ``prompt_token_ids``)."""
+    inputs = hf_llava_inputs(model_dir, prompt_text, images, add_special_tokens)
+    return inputs["input_ids"][0].tolist()
+
+
+def hf_llava_greedy(
+    model_dir: str,
+    prompt_text: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """Greedy continuation of ``prompt_text`` with ``images`` (exactly
+    ``max_new_tokens`` ids). ``add_special_tokens`` as the vLLM side tokenizes:
+    True for ``LLM.generate`` on a text prompt (BOS prepended), False for a
+    chat-template rendering (which writes BOS itself)."""
+    model = load_hf_llava(model_dir)
+    inputs = hf_llava_inputs(model_dir, prompt_text, images, add_special_tokens)
+    n_image = int((inputs["input_ids"] == model.config.image_token_index).sum())
+    assert n_image == NUM_IMAGE_TOKENS * len(images), n_image
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=model.config.text_config.pad_token_id,
+        )
+    generated = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(generated) == max_new_tokens, (len(generated), max_new_tokens)
+    return generated
+
+
+def chat_messages(question: str, num_images: int) -> list[dict[str, Any]]:
+    """HF-style chat messages: ``num_images`` image parts, then the text."""
+    content: list[dict[str, Any]] = [{"type": "image"}] * num_images
+    content = [*content, {"type": "text", "text": question}]
+    return [{"role": "user", "content": content}]
+
+
+def hf_llava_chat_prompt(model_dir: str, question: str, num_images: int) -> str:
+    """The model's chat template applied by the HF processor (generation prompt
+    added; it starts with BOS, so tokenize it without special tokens)."""
+    processor = load_hf_processor(model_dir)
+    return processor.apply_chat_template(
+        chat_messages(question, num_images), add_generation_prompt=True, tokenize=False
+    )
+
+
+def hf_decode(model_dir: str, ids: Sequence[int]) -> str:
+    """Decode like vLLM's OpenAI server (special tokens skipped)."""
+    return load_hf_processor(model_dir).tokenizer.decode(
+        list(ids), skip_special_tokens=True
+    )

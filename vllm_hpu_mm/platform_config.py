@@ -65,6 +65,15 @@ def _reject_unsupported(vllm_config: VllmConfig) -> None:
     mc = vllm_config.model_config
     if mc is not None and mc.runner_type != "generate":
         problems.append(f"runner type {mc.runner_type!r} (only 'generate')")
+    if mc is not None and getattr(mc, "is_mm_prefix_lm", False):
+        # PaliGemma, Gemma 3 vision...: bidirectional attention over image
+        # placeholders, which the plugin's causal kernels do not implement (the
+        # language layers are built from a text config, so the attention
+        # selector never sees the flag: refuse here instead).
+        problems.append(
+            "prefix-LM multimodal models (bidirectional attention over image "
+            "tokens, e.g. PaliGemma, Gemma 3)"
+        )
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV transfer connectors (--kv-transfer-config)")
     if problems:

@@ -140,6 +140,14 @@ def test_scheduling_is_synchronous() -> None:
             "pipeline parallelism (--pipeline-parallel-size 2)",
         ),
         ({"model_config": SimpleNamespace(runner_type="pooling")}, "'pooling'"),
+        (
+            {
+                "model_config": SimpleNamespace(
+                    runner_type="generate", is_mm_prefix_lm=True
+                )
+            },
+            "prefix-LM multimodal models",
+        ),
         ({"kv_transfer_config": SimpleNamespace()}, "KV transfer"),
     ],
 )

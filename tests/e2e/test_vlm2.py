@@ -1,0 +1,289 @@
+"""Offline ``vllm.LLM`` on the plugin with the second VLM (tiny Idefics3): greedy
+parity with HF transformers.
+
+The model is ``models/tiny-idefics3`` (``vllm_hpu_mm.tools.build_tiny_vlm2``):
+SigLIP-like tower, pixel-shuffle connector, tiny Llama. Every image becomes
+``<fake_token_around_image><global-img>`` + 16 ``<image>`` +
+``<fake_token_around_image>`` (19 prompt ids, 16 of them take an image embedding).
+
+One engine for the module, with an 8-token step budget: each image's placeholder
+run is cut across three or four prefill steps (and, in the batch, shared with
+other requests' chunks and decodes). Both sides get the same prompt text; the
+HF ``Idefics3Processor`` expands it (BOS + image placeholders) and vLLM must
+report the same ``prompt_token_ids``. Greedy, ``ignore_eos``, 10 new tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_hpu_mm.tools import build_tiny_vlm2 as builder
+
+pytestmark = pytest.mark.e2e
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+MAX_NEW = 10
+# Smaller than one image's 19 placeholder ids (vLLM accepts any budget >=
+# max_num_seqs; the encoder budget and cache are raised to one image's 16 rows).
+BUDGET = 8
+MAX_NUM_SEQS = 4
+
+
+# --- images (Pillow, deterministic) ---------------------------------------------
+
+
+def _image(kind: str, size: tuple[int, int]) -> Any:
+    """A deterministic RGB image of ``size`` = (width, height)."""
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    if kind == "bands":
+        img = Image.new("RGB", size, (20, 40, 200))
+        draw = ImageDraw.Draw(img)
+        for x in range(0, w, 6):
+            draw.rectangle((x, 0, x + 2, h - 1), fill=(240, 200, 30))
+        draw.ellipse((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=(200, 20, 20))
+        return img
+    if kind == "checker":
+        img = Image.new("RGB", size, (250, 250, 250))
+        draw = ImageDraw.Draw(img)
+        for y in range(0, h, 5):
+            for x in range((y // 5) % 2 * 5, w, 10):
+                draw.rectangle((x, y, x + 4, y + 4), fill=(10, 120, 60))
+        return img
+    if kind == "gradient":
+        img = Image.new("RGB", size)
+        img.putdata(
+            [(255 * x // w, 255 * y // h, 128) for y in range(h) for x in range(w)]
+        )
+        return img
+    raise ValueError(kind)
+
+
+IMAGES = {
+    "bands_40x24": ("bands", (40, 24)),
+    "checker_24x40": ("checker", (24, 40)),
+    "gradient_32x32": ("gradient", (32, 32)),
+}
+
+
+def image(name: str) -> Any:
+    kind, size = IMAGES[name]
+    return _image(kind, size)
+
+
+# --- prompts --------------------------------------------------------------------
+
+
+def user_prompt(text: str, with_image: bool) -> str:
+    """SmolVLM-style prompt: ``User:<image>text<end_of_utterance>\\nAssistant:``."""
+    img = builder.IMAGE_TOKEN if with_image else ""
+    return f"User:{img}{text}{builder.END_OF_UTTERANCE}\nAssistant:"
+
+
+@dataclass
+class Case:
+    prompt: str
+    images: list[Any] = field(default_factory=list)
+
+    def vllm_input(self) -> dict[str, Any]:
+        if not self.images:
+            return {"prompt": self.prompt}
+        return {"prompt": self.prompt, "multi_modal_data": {"image": self.images}}
+
+
+def image_case(name: str, text: str = "Describe the picture.") -> Case:
+    return Case(user_prompt(text, with_image=True), [image(name)])
+
+
+def text_case(text: str = "What is the capital of France?") -> Case:
+    return Case(user_prompt(text, with_image=False))
+
+
+# --- HF reference ---------------------------------------------------------------
+
+
+@functools.cache
+def hf_model(model_dir: str) -> Any:
+    import torch
+    from transformers import Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None  # vLLM runs with ignore_eos
+    return model
+
+
+@functools.cache
+def hf_processor(model_dir: str) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def hf_inputs(model_dir: str, case: Case) -> Any:
+    assert case.prompt.count(builder.IMAGE_TOKEN) == len(case.images)
+    return hf_processor(model_dir)(
+        text=case.prompt, images=list(case.images) or None, return_tensors="pt"
+    )
+
+
+def hf_prompt_ids(model_dir: str, case: Case) -> list[int]:
+    return hf_inputs(model_dir, case)["input_ids"][0].tolist()
+
+
+def hf_greedy(model_dir: str, case: Case) -> list[int]:
+    import torch
+
+    model = hf_model(model_dir)
+    inputs = hf_inputs(model_dir, case)
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=None,
+            pad_token_id=model.config.text_config.pad_token_id,
+        )
+    generated = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(generated) == MAX_NEW
+    return generated
+
+
+# --- engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(builder.build_tiny_vlm2(MODELS_DIR))
+
+
+@pytest.fixture(scope="module")
+def token_ids(model_dir: str) -> dict[str, int]:
+    tok = hf_processor(model_dir).tokenizer
+    names = (builder.IMAGE_TOKEN, builder.FAKE_IMAGE_TOKEN, builder.GLOBAL_IMAGE_TOKEN)
+    return {t: tok.convert_tokens_to_ids(t) for t in names}
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> Iterator[Any]:
+    from vllm import LLM
+
+    engine = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BUDGET,
+        seed=0,
+    )
+    try:
+        yield engine
+    finally:
+        engine_core = getattr(engine.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del engine
+        gc.collect()
+
+
+def generate(llm: Any, cases: Sequence[Case]) -> list[Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = llm.generate([c.vllm_input() for c in cases], params, use_tqdm=False)
+    assert len(outputs) == len(cases)
+    return outputs
+
+
+def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[list[int]]:
+    """Generate ``cases`` as one batch: prompt ids and greedy ids equal HF's."""
+    outputs = generate(llm, cases)
+    problems = []
+    got_all = []
+    for i, (case, out) in enumerate(zip(cases, outputs, strict=True)):
+        want_prompt = hf_prompt_ids(model_dir, case)
+        if list(out.prompt_token_ids) != want_prompt:
+            problems.append(
+                f"case {i} ({len(case.images)} images): prompt ids differ\n"
+                f"  vllm: {list(out.prompt_token_ids)}\n  hf:   {want_prompt}"
+            )
+            continue
+        got = list(out.outputs[0].token_ids)
+        got_all.append(got)
+        want = hf_greedy(model_dir, case)
+        if got != want:
+            problems.append(
+                f"case {i} ({len(case.images)} images, prompt len "
+                f"{len(want_prompt)}): greedy ids differ\n  vllm: {got}\n  hf:   {want}"
+            )
+    assert not problems, "vLLM != HF:\n" + "\n".join(problems)
+    return got_all
+
+
+def placeholder_runs(ids: Sequence[int], token_ids: dict[str, int]) -> list[int]:
+    """Offsets of ``<fake><global-img><image>*16<fake>`` runs; asserts their shape."""
+    fake = token_ids[builder.FAKE_IMAGE_TOKEN]
+    glob = token_ids[builder.GLOBAL_IMAGE_TOKEN]
+    img = token_ids[builder.IMAGE_TOKEN]
+    n = builder.NUM_IMAGE_TOKENS
+    starts = [i for i, t in enumerate(ids) if t == glob]
+    for s in starts:
+        run = list(ids[s - 1 : s - 1 + builder.NUM_PLACEHOLDER_TOKENS])
+        assert run == [fake, glob, *[img] * n, fake], run
+    assert sum(t == img for t in ids) == n * len(starts)
+    return [s - 1 for s in starts]
+
+
+# --- tests ----------------------------------------------------------------------
+
+
+def test_platform_is_plugin(llm: Any) -> None:
+    from vllm.platforms import current_platform
+
+    assert type(current_platform).__module__.startswith("vllm_hpu_mm.")
+
+
+def test_one_image(llm: Any, model_dir: str, token_ids: dict[str, int]) -> None:
+    case = image_case("bands_40x24")
+    ids = hf_prompt_ids(model_dir, case)
+    bos = hf_processor(model_dir).tokenizer.bos_token_id
+    assert ids[0] == bos and ids.count(bos) == 1, ids
+    (offset,) = placeholder_runs(ids, token_ids)
+    # The placeholder run really is cut: it spans several BUDGET-token steps.
+    end = offset + builder.NUM_PLACEHOLDER_TOKENS - 1
+    assert end // BUDGET - offset // BUDGET >= 2, (offset, BUDGET)
+    check_parity(llm, model_dir, [case])
+
+
+def test_text_only(llm: Any, model_dir: str, token_ids: dict[str, int]) -> None:
+    case = text_case()
+    assert placeholder_runs(hf_prompt_ids(model_dir, case), token_ids) == []
+    check_parity(llm, model_dir, [case])
+
+
+def test_mixed_batch_two_images(
+    llm: Any, model_dir: str, token_ids: dict[str, int]
+) -> None:
+    """Two different images (same question) and a text prompt in one batch."""
+    cases = [
+        image_case("checker_24x40", "What is in this image?"),
+        text_case("Please answer in a single clear sentence."),
+        image_case("gradient_32x32", "What is in this image?"),
+    ]
+    for case in cases:
+        assert len(placeholder_runs(hf_prompt_ids(model_dir, case), token_ids)) == len(
+            case.images
+        )
+    got = check_parity(llm, model_dir, cases)
+    # Same text, different images: the image features reach the logits.
+    assert got[0] != got[2], got

@@ -23,13 +23,9 @@ from typing import Any
 
 
 def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from prometheus_client import CollectorRegistry, multiprocess
+    from vllm_hpu_mm.metrics_reader import read_metric
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(
-        registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    )
-    return registry.get_sample_value(name, labels or {}) or 0.0
+    return read_metric(name, labels)
 
 
 def run_mode(args: argparse.Namespace) -> dict[str, Any]:

@@ -7,7 +7,6 @@ the compiler backend), through prometheus_client's multiprocess files.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 
@@ -21,13 +20,9 @@ MAX_NEW = 12
 
 
 def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from prometheus_client import CollectorRegistry, multiprocess
+    from vllm_hpu_mm.metrics_reader import read_metric
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(
-        registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    )
-    return registry.get_sample_value(name, labels or {}) or 0.0
+    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ before the first image differs (no prefix-cache hit can skip a placeholder).
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,14 +78,10 @@ def _fresh(variant: int) -> Any:
     return make_image(kinds[variant % 4], sizes[variant % 4], variant=10 + variant)
 
 
-def _counter(name: str) -> float:
-    from prometheus_client import CollectorRegistry, multiprocess
+def _counter(name: str, labels: dict[str, str] | None = None) -> float:
+    from vllm_hpu_mm.metrics_reader import read_metric
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(
-        registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    )
-    return registry.get_sample_value(name) or 0.0
+    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ per bucket at warmup; a mixed image batch then compiles nothing and matches HF."
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -16,13 +15,9 @@ MAX_NEW = 8
 
 
 def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from prometheus_client import CollectorRegistry, multiprocess
+    from vllm_hpu_mm.metrics_reader import read_metric
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(
-        registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    )
-    return registry.get_sample_value(name, labels or {}) or 0.0
+    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

@@ -25,23 +25,19 @@ Nothing is downloaded. An existing build is kept unless ``--force`` is given.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from vllm_hpu_mm.tools import build_tiny_models as tiny
+from vllm_hpu_mm.tools import checkpoints
 
 NAME = "tiny-llava"
 SEED = 100
 # Bump when what is built changes: older builds are then rebuilt without --force.
 # The stamp also carries build_tiny_models.BUILD_VERSION (the tokenizer's source).
 LLAVA_BUILD_VERSION = 1
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = checkpoints.WEIGHTS_FILE
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 32
@@ -125,18 +121,10 @@ def build_processor(tok: Any) -> Any:
 
 def build_config(tok: Any) -> Any:
     """The ``LlavaConfig`` of the tiny model (text config = the tiny Llama's)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import CLIPVisionConfig, LlavaConfig
 
     ids = tok.convert_tokens_to_ids
-    text_config = LlamaConfig(
-        **tiny.BASE_CONFIG,
-        vocab_size=len(tok),
-        bos_token_id=ids(tiny.BOS),
-        eos_token_id=[ids(tiny.EOS), ids(tiny.EOT)],
-        pad_token_id=ids(tiny.PAD),
-        architectures=["LlamaForCausalLM"],
-        dtype="float32",
-    )
+    text_config = checkpoints.text_config(tok)
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(**VISION_CONFIG, dtype="float32"),
         text_config=text_config,
@@ -167,118 +155,67 @@ def verify_checkpoint(model_dir: str | Path, expected: Mapping[str, Any]) -> Non
     ``expected`` maps checkpoint names to tensors. Raises ``AssertionError`` on a
     missing, unexpected or mismatched key or on a tensor that differs.
     """
-    import torch
-    from safetensors import safe_open
     from transformers import LlavaForConditionalGeneration
 
-    with safe_open(str(Path(model_dir) / WEIGHTS_FILE), "pt") as f:
-        names = set(f.keys())
-    assert names == set(expected), "checkpoint names differ from the model's"
-    bad = sorted(n for n in names if not n.startswith(CHECKPOINT_PREFIXES))
-    assert not bad, f"names vLLM's llava loader does not map: {bad[:5]}"
-
-    model, info = cast(
-        Any,
-        LlavaForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32, output_loading_info=True
-        ),
+    checkpoints.verify_checkpoint(
+        model_dir,
+        expected,
+        model_class=LlavaForConditionalGeneration,
+        prefixes=CHECKPOINT_PREFIXES,
+        unmapped="names vLLM's llava loader does not map",
+        state_dict=checkpoint_state_dict,
     )
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, f"transformers did not load the checkpoint cleanly: {problems}"
-    loaded = checkpoint_state_dict(model)
-    assert set(loaded) == set(expected), "reloaded model has other parameters"
-    differ = sorted(n for n in loaded if not torch.equal(loaded[n], expected[n]))
-    assert not differ, f"weights differ after reload: {differ[:5]}"
 
 
 def build_model(seed: int = SEED) -> tuple[Any, Any, Any]:
     """(tokenizer, config, randomly initialised model); deterministic in ``seed``."""
-    import torch
     from transformers import LlavaForConditionalGeneration
 
     tok = build_llava_tokenizer()
     config = build_config(tok)
-    random.seed(seed)
-    torch.manual_seed(seed)
-    model: Any = LlavaForConditionalGeneration(config)
-    model = model.to(torch.float32).eval()
+    model = checkpoints.init_model(LlavaForConditionalGeneration, config, seed)
     return tok, config, model
 
 
 def _save_llava(model_dir: Path, seed: int) -> None:
     """Randomly initialise the tiny LLaVA with ``seed`` and save it to ``model_dir``."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
     tok, config, model = build_model(seed)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tensors = checkpoint_state_dict(model)
-    save_file(tensors, str(model_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    config.save_pretrained(model_dir)
-    text = config.text_config
-    GenerationConfig(
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
-        pad_token_id=text.pad_token_id,
-    ).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    build_processor(tok).save_pretrained(model_dir)
-
-    verify_checkpoint(model_dir, tensors)
-    stamp = {
-        "build_version": tiny.BUILD_VERSION,
-        "llava_build_version": LLAVA_BUILD_VERSION,
-        "seed": seed,
-    }
-    (model_dir / tiny.STAMP_FILE).write_text(json.dumps(stamp) + "\n")
+    checkpoints.save_model(
+        model_dir,
+        tok=tok,
+        config=config,
+        tensors=checkpoint_state_dict(model),
+        build_processor=build_processor,
+        verify=verify_checkpoint,
+        stamp={
+            "build_version": tiny.BUILD_VERSION,
+            "llava_build_version": LLAVA_BUILD_VERSION,
+            "seed": seed,
+        },
+    )
 
 
 def _is_built(model_dir: Path) -> bool:
     """A complete build of the current versions is in ``model_dir``."""
-    if not tiny._is_built(model_dir):
-        return False
-    try:
-        stamp = json.loads((model_dir / tiny.STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        stamp.get("llava_build_version") == LLAVA_BUILD_VERSION
-        and (model_dir / "processor_config.json").is_file()
-    )
+    return checkpoints.is_built(model_dir, "llava_build_version", LLAVA_BUILD_VERSION)
 
 
 def build_tiny_llava(out: str | Path, force: bool = False) -> Path:
     """Build ``<out>/tiny-llava`` unless it exists (or ``force``); return its path."""
-    out_dir = Path(out)
-    model_dir = out_dir / NAME
-    if _is_built(model_dir) and not force:
-        print(f"{NAME}: exists at {model_dir} (use --force to rebuild)")
-        return model_dir
-    # Build next to the target, then swap it in: no half-written model dir.
-    tmp_dir = out_dir / f".{NAME}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    try:
-        _save_llava(tmp_dir, SEED)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    shutil.rmtree(model_dir, ignore_errors=True)
-    tmp_dir.rename(model_dir)
-    print(f"{NAME}: built at {model_dir}")
-    return model_dir
+    return checkpoints.build_into(
+        out,
+        NAME,
+        force=force,
+        is_built=_is_built,
+        save=lambda model_dir: _save_llava(model_dir, SEED),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(description="Build the tiny offline LLaVA model.")
-    parser.add_argument("--out", default="models", help="output directory")
-    parser.add_argument("--force", action="store_true", help="rebuild if it exists")
-    args = parser.parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    build_tiny_llava(args.out, force=args.force)
-    return 0
+    return checkpoints.main(
+        argv, "Build the tiny offline LLaVA model.", build_tiny_llava
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
-        self.graphs = GraphRunner(self.model, self._graph_mode(), self._graph_backend())
+        self.graphs = GraphRunner(self.model, self._graph_mode(), dev.compile_backend())
         if supports_multimodal(self.model):
             self.mm = MultimodalInputs(
                 self.model, self.device, self.graphs, self._max_encoder_items()
@@ -105,11 +105,6 @@ class HpuMMModelRunner:
                 "'eager'"
             )
         return str(mode)
-
-    def _graph_backend(self) -> str:
-        return str(getattr(self.plugin_config, "graph_backend", "") or "") or (
-            dev.compile_backend()
-        )
 
     def warmup(self) -> None:
         assert self.graphs is not None

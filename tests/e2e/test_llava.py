@@ -262,6 +262,16 @@ class TestChunkedImages:
         # Items received in requests: the shared image counts once per prompt.
         assert items == 2, f"{MM_ITEMS} rose by {items} for 2 prompts x 1 image"
 
+    def test_encoder_cache_entries_freed_with_the_scheduler(
+        self, llm: Any, model_dir: str
+    ) -> None:
+        """At this budget vLLM's encoder cache holds one image (24 embeddings):
+        the runner must drop each output when the scheduler evicts it, or its
+        own cache would keep growing."""
+        for variant in (20, 21, 22):
+            _encoded(llm, [Case(llava_prompt(1), [_fresh(variant)])], model_dir)
+        assert _counter("vllm_hpu_mm:encoder_cache_items") <= 1
+
 
 class TestTinyChunks:
     """8-token budget: one image's 16 rows cut into three pieces."""

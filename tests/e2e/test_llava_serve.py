@@ -10,23 +10,13 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import requests
 
-from tests.e2e.test_serve import (
-    HOST,
-    Server,
-    _free_port,
-    _stop,
-    _unexpected_tracebacks,
-    _vllm_command,
-    _wait_healthy,
-)
+from tests.e2e.test_serve import Server, serve
 from tests.mm_reference import (
     hf_decode,
     hf_llava_chat_prompt,
@@ -48,46 +38,10 @@ QUESTION = "What is in the picture?"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """``vllm serve`` on tiny-llava; after the tests, stopped and its log checked."""
-    model_dir = tiny_llava_dir()
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("serve_llava") / "server.log"
-    cmd = [
-        *_vllm_command(),
-        "serve",
-        model_dir,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--max-num-seqs",
-        "8",
-        "--seed",
-        "0",
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 2}),
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
-    srv = Server(f"http://{HOST}:{port}", model_dir, proc, log_path)
-    try:
-        _wait_healthy(srv)
-        yield srv
-    finally:
-        _stop(proc)
-    log_text = log_path.read_text(errors="replace")
-    unexpected = _unexpected_tracebacks(log_text)
-    assert not unexpected, f"server log has a traceback:\n{log_text}"
+    yield from serve(
+        tiny_llava_dir(), log_path, "--limit-mm-per-prompt", json.dumps({"image": 2})
+    )
 
 
 def _messages(urls: list[str], question: str = QUESTION) -> list[dict[str, Any]]:

@@ -94,17 +94,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=STOP_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    """``vllm serve`` on tiny-llama; after the tests, stopped and its log checked."""
+def serve(model_dir: str, log_path: Path, *extra_args: str) -> Iterator[Server]:
+    """Run ``vllm serve model_dir`` on a free loopback port until the generator
+    is closed; then stop it and fail on any unexpected traceback in its log."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [
         *_vllm_command(),
         "serve",
-        tiny_llama_dir,
+        model_dir,
         "--host",
         HOST,
         "--port",
@@ -118,6 +115,7 @@ def server(
         "8",
         "--seed",
         "0",
+        *extra_args,
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -127,7 +125,7 @@ def server(
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
-    srv = Server(f"http://{HOST}:{port}", tiny_llama_dir, proc, log_path)
+    srv = Server(f"http://{HOST}:{port}", model_dir, proc, log_path)
     try:
         _wait_healthy(srv)
         yield srv
@@ -136,6 +134,14 @@ def server(
     log_text = log_path.read_text(errors="replace")
     unexpected = _unexpected_tracebacks(log_text)
     assert not unexpected, f"server log has a traceback:\n{log_text}"
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """``vllm serve`` on tiny-llama; after the tests, stopped and its log checked."""
+    yield from serve(tiny_llama_dir, tmp_path_factory.mktemp("serve") / "server.log")
 
 
 # vLLM 0.33's own SIGTERM race: the API server kills the engine core with a 0 s

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +227,28 @@ def hf_decode(model_dir: str, ids: Sequence[int]) -> str:
     return load_hf_processor(model_dir).tokenizer.decode(
         list(ids), skip_special_tokens=True
     )
+
+
+def engine_lifetime(llm: Any) -> Iterator[Any]:
+    """Yield a ``vllm.LLM`` to a fixture, then shut its engine core down now
+    (not at garbage collection), so the next engine starts on a free machine."""
+    import gc
+
+    try:
+        yield llm
+    finally:
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def greedy_generate(llm: Any, inputs: Sequence[Any], max_new_tokens: int) -> list[Any]:
+    """``llm.generate`` of ``inputs`` as one batch, greedy, ignoring eos."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outputs = llm.generate(list(inputs), params, use_tqdm=False)
+    assert len(outputs) == len(inputs)
+    return outputs

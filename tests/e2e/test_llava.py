@@ -22,7 +22,6 @@ before the first image differs (no prefix-cache hit can skip a placeholder).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,8 @@ import pytest
 
 from tests.mm_reference import (
     NUM_IMAGE_TOKENS,
+    engine_lifetime,
+    greedy_generate,
     hf_llava_greedy,
     hf_llava_prompt_ids,
     image_offsets,
@@ -107,23 +108,11 @@ def _engine(model_dir: str, **kwargs: Any) -> Iterator[Any]:
         limit_mm_per_prompt={"image": LIMIT_IMAGES},
         **kwargs,
     )
-    try:
-        yield llm
-    finally:
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
-        del llm
-        gc.collect()
+    yield from engine_lifetime(llm)
 
 
 def _run(llm: Any, cases: Sequence[Case]) -> list[Any]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outputs = llm.generate([c.vllm_input() for c in cases], params, use_tqdm=False)
-    assert len(outputs) == len(cases)
-    return outputs
+    return greedy_generate(llm, [c.vllm_input() for c in cases], MAX_NEW)
 
 
 def _check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[Any]:

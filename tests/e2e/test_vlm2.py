@@ -16,7 +16,6 @@ report the same ``prompt_token_ids``. Greedy, ``ignore_eos``, 10 new tokens.
 from __future__ import annotations
 
 import functools
-import gc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.mm_reference import engine_lifetime, greedy_generate
 from vllm_hpu_mm.tools import build_tiny_vlm2 as builder
 
 pytestmark = pytest.mark.e2e
@@ -186,23 +186,11 @@ def llm(model_dir: str) -> Iterator[Any]:
         max_num_batched_tokens=BUDGET,
         seed=0,
     )
-    try:
-        yield engine
-    finally:
-        engine_core = getattr(engine.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
-        del engine
-        gc.collect()
+    yield from engine_lifetime(engine)
 
 
 def generate(llm: Any, cases: Sequence[Case]) -> list[Any]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outputs = llm.generate([c.vllm_input() for c in cases], params, use_tqdm=False)
-    assert len(outputs) == len(cases)
-    return outputs
+    return greedy_generate(llm, [c.vllm_input() for c in cases], MAX_NEW)
 
 
 def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[list[int]]:

@@ -80,6 +80,9 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     mm_maps: dict[str, object] = field(default_factory=dict)
     """Per modality: the placeholder row maps (encoder-output rows to token
     rows) of this step's chunk, filled by the multimodal input builder."""
+    cross: object | None = None
+    """Cross-attention inputs of the step (``attention.cross``), for models whose
+    images are read by cross-attention layers; None otherwise."""
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:

@@ -10,3 +10,10 @@ def register_all() -> None:
     # vLLM's llava.py imports its Pixtral code, whose transformers image
     # processor needs torchvision; the PIL twin computes the same token counts.
     use_pil_pixtral_image_processor()
+
+    from vllm import ModelRegistry
+
+    from vllm_hpu_mm.models.mllama import MODEL_CLASS
+
+    # Upstream vLLM dropped Mllama with V0; the plugin serves it on V1.
+    ModelRegistry.register_model("MllamaForConditionalGeneration", MODEL_CLASS)

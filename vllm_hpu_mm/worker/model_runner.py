@@ -26,6 +26,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
+from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
@@ -58,6 +59,8 @@ class HpuMMModelRunner:
         self.graphs: GraphRunner | None = None
         self.buffers = DeviceBuffers(device)
         self.mm: MultimodalInputs | None = None  # set for multimodal models
+        # set for models whose images are read by cross-attention (Mllama)
+        self.cross: CrossAttentionInputs | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # ---- set-up ------------------------------------------------------------------
@@ -66,7 +69,15 @@ class HpuMMModelRunner:
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
         self.graphs = GraphRunner(self.model, self._graph_mode(), dev.compile_backend())
-        if supports_multimodal(self.model):
+        if getattr(self.model, "uses_cross_attention_cache", False):
+            self.cross = CrossAttentionInputs(
+                self.model,
+                self.vllm_config,
+                self.device,
+                self.graphs,
+                self._max_items_per_prompt(),
+            )
+        elif supports_multimodal(self.model):
             self.mm = MultimodalInputs(
                 self.model, self.device, self.graphs, self._max_encoder_items()
             )
@@ -77,12 +88,11 @@ class HpuMMModelRunner:
             self.device,
         )
 
-    def _max_encoder_items(self) -> int:
-        """Most items one encoder batch holds: the per-prompt limit of the
-        modality with the most, times the sequences of a step, capped at 8."""
+    def _max_items_per_prompt(self) -> int:
+        """The per-prompt item limit of the modality with the most (1 if unset)."""
         mm_config = self.model_config.multimodal_config
         limits = getattr(mm_config, "limit_per_prompt", None) or {}
-        per_prompt = max(
+        return max(
             (
                 getattr(v, "count", v)
                 for v in limits.values()
@@ -90,6 +100,11 @@ class HpuMMModelRunner:
             ),
             default=1,
         )
+
+    def _max_encoder_items(self) -> int:
+        """Most items one encoder batch holds: the per-prompt limit times the
+        sequences of a step, capped at 8."""
+        per_prompt = self._max_items_per_prompt()
         return max(
             1, min(8, per_prompt * self.vllm_config.scheduler_config.max_num_seqs)
         )
@@ -150,6 +165,8 @@ class HpuMMModelRunner:
         if self.mm is not None:
             self.mm.on_new_requests(scheduler_output.scheduled_new_reqs)
             self.mm.run_encoders(scheduler_output, self.requests)
+        if self.cross is not None:
+            self.cross.update(scheduler_output, self.requests)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         req_ids = order_requests(scheduler_output.num_scheduled_tokens)
@@ -178,6 +195,8 @@ class HpuMMModelRunner:
         if self.mm is not None:
             embeds, batch.attn_metadata.mm_maps = self.mm.embed(batch, states)  # type: ignore[assignment]
             input_ids = None
+        if self.cross is not None:
+            batch.attn_metadata.cross = self.cross.metadata(batch, states)
         with set_forward_context(
             batch.attn_metadata, self.vllm_config, num_tokens=batch.shape.num_tokens
         ):

@@ -93,6 +93,8 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     encoder_shapes = 0
     if runner.mm is not None:
         encoder_shapes = warm_up_encoder(runner, runner.vllm_config)
+    if runner.cross is not None:
+        encoder_shapes = runner.cross.warm_up()
     graphs.counter.phase = "serving"
     seconds = time.perf_counter() - start
     metrics.WARMUP_SECONDS.set(seconds)

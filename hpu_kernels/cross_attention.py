@@ -1,0 +1,87 @@
+"""Cross-attention of text tokens over cached image rows, in pure PyTorch.
+
+Cross-attention cache of one layer: ``cache[2, num_slots, rows, num_kv_heads,
+head]`` (0 keys, 1 values). A slot holds one image: ``rows = tiles * patches``
+vision rows, tile-major. Slot 0 is a null slot that padding entries point at.
+
+Which rows a token reads is given at tile granularity (``[..., images, tiles]``
+booleans) and widened to rows here (``patches`` rows per tile). Masked scores get
+the dtype's lowest finite value, not -inf, so a row that reads nothing (padding,
+text-only requests; the caller discards those outputs) stays finite.
+
+Two layouts, like self-attention:
+
+- decode (batched): one query per request, ``B`` rows, each reading its own
+  request's ``M`` image slots (``slots[B, M]``, ``tile_mask[B, M, tiles]``);
+- prefill (flat): ``T`` tokens of all prefill requests read the concatenation of
+  the step's ``N`` prefill image slots; ``tile_mask[T, N, tiles]`` keeps each
+  token to its own request's images.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _attend(
+    query: torch.Tensor,  # [Q, Hkv, G, D]
+    key: torch.Tensor,  # [Q or 1, K, Hkv, D]
+    value: torch.Tensor,  # [Q or 1, K, Hkv, D]
+    mask: torch.Tensor,  # [Q, K] bool, True = read
+    scale: float,
+) -> torch.Tensor:
+    scores = (
+        torch.einsum("qhgd,bkhd->qhgk", query, key)
+        if key.shape[0] == 1
+        else (torch.einsum("qhgd,qkhd->qhgk", query, key))
+    )
+    scores = scores.float() * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    if value.shape[0] == 1:
+        return torch.einsum("qhgk,bkhd->qhgd", probs, value)
+    return torch.einsum("qhgk,qkhd->qhgd", probs, value)
+
+
+def _rows(tile_mask: torch.Tensor, patches: int) -> torch.Tensor:
+    """[..., images, tiles] -> [..., images * tiles * patches]."""
+    wide = tile_mask.unsqueeze(-1).expand(*tile_mask.shape, patches)
+    return wide.reshape(*tile_mask.shape[:-2], -1)
+
+
+def cross_attention_decode(
+    query: torch.Tensor,  # [B, H, D]
+    cache: torch.Tensor,  # [2, S, rows, Hkv, D]
+    slots: torch.Tensor,  # [B, M] int64
+    tile_mask: torch.Tensor,  # [B, M, tiles] bool
+    scale: float,
+) -> torch.Tensor:
+    b, h, d = query.shape
+    hkv = cache.shape[3]
+    m = slots.shape[1]
+    patches = cache.shape[2] // tile_mask.shape[-1]
+    key = cache[0].index_select(0, slots.flatten()).view(b, m * cache.shape[2], hkv, d)
+    value = (
+        cache[1].index_select(0, slots.flatten()).view(b, m * cache.shape[2], hkv, d)
+    )
+    q = query.view(b, hkv, h // hkv, d)
+    out = _attend(q, key, value, _rows(tile_mask, patches), scale)
+    return out.reshape(b, h, d)
+
+
+def cross_attention_prefill(
+    query: torch.Tensor,  # [T, H, D]
+    cache: torch.Tensor,  # [2, S, rows, Hkv, D]
+    slots: torch.Tensor,  # [N] int64
+    tile_mask: torch.Tensor,  # [T, N, tiles] bool
+    scale: float,
+) -> torch.Tensor:
+    t, h, d = query.shape
+    hkv = cache.shape[3]
+    n = slots.shape[0]
+    patches = cache.shape[2] // tile_mask.shape[-1]
+    key = cache[0].index_select(0, slots).view(1, n * cache.shape[2], hkv, d)
+    value = cache[1].index_select(0, slots).view(1, n * cache.shape[2], hkv, d)
+    q = query.view(t, hkv, h // hkv, d)
+    out = _attend(q, key, value, _rows(tile_mask, patches), scale)
+    return out.reshape(t, h, d)

@@ -1,0 +1,71 @@
+"""HF transformers' Mllama as the oracle for the plugin's Mllama.
+
+The oracle takes the prompt token ids vLLM used (vLLM tokenizes the prompt
+itself; the HF processor would add a second BOS) and builds every other input
+with transformers' own code: pixel values and aspect-ratio ids/masks from the
+image processor, the cross-attention mask from ``processing_mllama``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+
+@cache
+def _hf(model_dir: str) -> tuple[Any, Any]:
+    from transformers import AutoProcessor, MllamaForConditionalGeneration
+
+    model = MllamaForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    return model, AutoProcessor.from_pretrained(model_dir)
+
+
+def hf_mllama_inputs(
+    model_dir: str, prompt_token_ids: list[int], images: list[Any]
+) -> dict[str, torch.Tensor]:
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    model, processor = _hf(model_dir)
+    ids = torch.tensor([prompt_token_ids])
+    inputs: dict[str, torch.Tensor] = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+    }
+    if images:
+        pix = processor.image_processor(images=[list(images)], return_tensors="pt")
+        token_mask = get_cross_attention_token_mask(
+            prompt_token_ids, model.config.image_token_index
+        )
+        mask = convert_sparse_cross_attention_mask_to_dense(
+            [token_mask],
+            num_tiles=pix["num_tiles"],
+            max_num_tiles=processor.image_processor.max_image_tiles,
+            length=len(prompt_token_ids),
+        )
+        inputs.update(
+            pixel_values=pix["pixel_values"],
+            aspect_ratio_ids=pix["aspect_ratio_ids"],
+            aspect_ratio_mask=pix["aspect_ratio_mask"],
+            cross_attention_mask=torch.as_tensor(mask),
+        )
+    return inputs
+
+
+@torch.inference_mode()
+def hf_mllama_greedy(
+    model_dir: str, prompt_token_ids: list[int], images: list[Any], max_tokens: int
+) -> list[int]:
+    """Greedy continuation of one prompt by transformers (batch of one)."""
+    model, _ = _hf(model_dir)
+    inputs = hf_mllama_inputs(model_dir, prompt_token_ids, images)
+    out = model.generate(
+        **inputs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
+    )
+    return out[0, len(prompt_token_ids) :].tolist()

@@ -1,0 +1,263 @@
+"""Mllama (Llama 3.2 Vision) for vLLM's V1 engine, run by the plugin's runner.
+
+Text model: Llama self-attention layers (vLLM's ``LlamaDecoderLayer`` on the
+plugin's paged attention) interleaved with gated cross-attention layers that
+read image K/V from the plugin's cross-attention cache (``hpu_mm::cross_attention``).
+Vision model: ``vision.MllamaVisionEncoder`` (preallocated ``encoder_states``).
+
+The runner (``worker.cross_attention``) encodes each image once, when its request
+arrives: ``encode_images`` runs the vision encoder and the projector, and
+``write_cross_kv`` stores every cross-attention layer's K/V of the images in
+their cache slots. The forward pass then needs only token ids and positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import SupportsMultiModal
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+from vllm.multimodal import MULTIMODAL_REGISTRY
+
+from vllm_hpu_mm.attention.cross import cross_attention, cross_layer_registry
+from vllm_hpu_mm.models.mllama.processing import (
+    IMAGE_TOKEN,
+    MllamaDummyInputsBuilder,
+    MllamaMultiModalProcessor,
+    MllamaProcessingInfo,
+)
+from vllm_hpu_mm.models.mllama.vision import MllamaVisionEncoder
+
+
+class MllamaCrossAttention(nn.Module):
+    def __init__(self, config: Any, layer_name: str, registry: dict) -> None:
+        super().__init__()
+        hidden = int(config.hidden_size)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = hidden // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.layer_name = layer_name
+        # [2, slots, rows, kv heads, head]; bound by the runner.
+        self.cache = torch.empty(0)
+        cross_layer_registry(registry, layer_name, self)
+
+    def image_kv(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [N, rows, hidden] -> keys, values [N, rows, kv heads, head]."""
+        n, rows, _ = states.shape
+        shape = (n, rows, self.num_kv_heads, self.head_dim)
+        key = self.k_norm(self.k_proj(states).view(shape))
+        return key, self.v_proj(states).view(shape)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = hidden.shape[0]
+        q = self.q_norm(self.q_proj(hidden).view(t, self.num_heads, self.head_dim))
+        out, active, mlp_scale = cross_attention(q, self.layer_name)
+        return self.o_proj(out), active, mlp_scale
+
+
+class MllamaCrossAttentionDecoderLayer(nn.Module):
+    def __init__(self, config: Any, prefix: str, registry: dict) -> None:
+        super().__init__()
+        self.cross_attn = MllamaCrossAttention(config, f"{prefix}.cross_attn", registry)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.cross_attn_attn_gate = nn.Parameter(torch.zeros(1))
+        self.mlp = LlamaMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            prefix=f"{prefix}.mlp",
+        )
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+        self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn, active, mlp_scale = self.cross_attn(self.input_layernorm(x))
+        h = x + self.cross_attn_attn_gate.tanh() * attn
+        m = self.mlp(self.post_attention_layernorm(h)) * mlp_scale
+        h = h + self.cross_attn_mlp_gate.tanh() * m
+        # Requests without images skip the layer, as in transformers.
+        return torch.where(active > 0, h, x)
+
+
+class MllamaTextModel(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, config: Any, prefix: str) -> None:
+        super().__init__()
+        registry = vllm_config.compilation_config.static_forward_context
+        self.cross_layer_ids = [int(i) for i in config.cross_attention_layers]
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size + 8, config.hidden_size
+        )
+        layers: list[nn.Module] = []
+        for i in range(config.num_hidden_layers):
+            p = f"{prefix}.layers.{i}"
+            if i in self.cross_layer_ids:
+                layers.append(MllamaCrossAttentionDecoderLayer(config, p, registry))
+            else:
+                layers.append(LlamaDecoderLayer(vllm_config, prefix=p, config=config))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if isinstance(layer, MllamaCrossAttentionDecoderLayer):
+                h = layer(h)
+            else:
+                out, residual = layer(positions, h, None)
+                h = out + residual
+        return self.norm(h)
+
+
+class MllamaModel(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.vision_model = MllamaVisionEncoder(config.vision_config)
+        self.language_model = MllamaTextModel(
+            vllm_config, config.text_config, f"{prefix}.language_model"
+        )
+        self.multi_modal_projector = nn.Linear(
+            config.vision_config.vision_output_dim, config.text_config.hidden_size
+        )
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    MllamaMultiModalProcessor,
+    info=MllamaProcessingInfo,
+    dummy_inputs=MllamaDummyInputsBuilder,
+)
+class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
+    """Out-of-tree Mllama; needs the plugin's runner (cross-attention cache)."""
+
+    uses_cross_attention_cache: ClassVar[bool] = True
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality.startswith("image"):
+            return IMAGE_TOKEN
+        raise ValueError(f"Mllama takes images, not {modality!r}")
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = MllamaModel(vllm_config, "model")
+        text = config.text_config
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+        self.image_token_id = int(config.image_token_index)
+
+    # ---- what the runner calls -----------------------------------------------------
+    @property
+    def vision(self) -> MllamaVisionEncoder:
+        return self.model.vision_model
+
+    def cross_attention_layers(self) -> list[MllamaCrossAttention]:
+        return [
+            layer.cross_attn
+            for layer in self.model.language_model.layers
+            if isinstance(layer, MllamaCrossAttentionDecoderLayer)
+        ]
+
+    def encode_images(
+        self,
+        pixel_values: torch.Tensor,
+        aspect_ratio_ids: torch.Tensor,
+        aspect_ratio_mask: torch.Tensor,
+        encoder_states: torch.Tensor,
+    ) -> torch.Tensor:
+        """Vision encoder + projector: [N, tiles * patches, text hidden]."""
+        feats = self.vision(
+            pixel_values, aspect_ratio_ids, aspect_ratio_mask, encoder_states
+        )
+        out = self.model.multi_modal_projector(feats)  # [N, tiles, patches, hidden]
+        return out.view(out.shape[0], -1, out.shape[-1])
+
+    def write_cross_kv(self, states: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store every cross-attention layer's K/V of the images in ``slots``."""
+        for layer in self.cross_attention_layers():
+            key, value = layer.image_kv(states)
+            layer.cache[0].index_copy_(0, slots, key.to(layer.cache.dtype))
+            layer.cache[1].index_copy_(0, slots, value.to(layer.cache.dtype))
+
+    # ---- vLLM model interface ------------------------------------------------------
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        raise RuntimeError(
+            "Mllama images are read by cross-attention, not merged as embeddings; "
+            "run it with the vllm-hpu-mm runner"
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def get_language_model(self) -> Any:
+        return self.model.language_model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        if inputs_embeds is not None:
+            raise ValueError("Mllama takes token ids, not input embeddings")
+        return self.model.language_model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        stacked = [
+            ("self_attn.qkv_proj", "self_attn.q_proj", "q"),
+            ("self_attn.qkv_proj", "self_attn.k_proj", "k"),
+            ("self_attn.qkv_proj", "self_attn.v_proj", "v"),
+            ("mlp.gate_up_proj", "mlp.gate_proj", 0),
+            ("mlp.gate_up_proj", "mlp.up_proj", 1),
+        ]
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = name, None
+            text = name.startswith("model.language_model.")
+            for fused, part, shard_id in stacked if text else ():
+                if part in name:
+                    target, shard = name.replace(part, fused), shard_id
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected Mllama weight {name!r}")
+            param = params[target]
+            if shard is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"Mllama checkpoint lacks {sorted(missing)[:5]}")
+        return loaded

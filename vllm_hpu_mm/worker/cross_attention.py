@@ -1,0 +1,328 @@
+"""The runner's cross-attention part (Mllama): encode each image once, cache its K/V.
+
+When a request arrives, every one of its images is encoded (vision encoder +
+projector, batched and padded to an images-per-batch bucket, compiled once per
+bucket in graph mode) and each cross-attention layer's K/V of the image is stored
+in a slot of the cross-attention cache. Images are keyed by vLLM's item hash: a
+second request with the same image (or a resumed one) reuses the slot, and
+unreferenced slots stay filled until they are needed (least recently used first),
+so a repeated image is not encoded again.
+
+The encoder writes into one preallocated ``encoder_states`` buffer sized for the
+largest bucket; a bucket of ``n`` images uses its first ``n`` rows (a view).
+
+Per step, ``metadata`` says which slots and tiles each token row reads, following
+transformers' rule: a token reads the latest group of consecutive images at or
+before it (a group of adjacent ``<|image|>`` tokens reads on to the end); a token
+before the request's first image reads every row of every image of the request,
+padding tiles included, and its cross-attention MLP output is zeroed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.multimodal.utils import group_and_batch_mm_kwargs
+
+from vllm_hpu_mm import metrics
+from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
+from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
+from vllm_hpu_mm.worker.graphs import GraphRunner
+from vllm_hpu_mm.worker.inputs import StepBatch
+from vllm_hpu_mm.worker.requests import RequestState
+
+logger = logging.getLogger("vllm.hpu_mm.cross_attention")
+
+NULL_SLOT = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestImage:
+    key: str  # vLLM's item hash
+    offset: int  # position of the image's <|image|> token
+    num_tiles: int  # real tiles; the rest of the max tiles are padding
+
+
+class ImageSlots:
+    """Cache slots by image key, reference-counted, evicting the least recently
+    used unreferenced slot when a new image needs one. Slot 0 is never handed out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.free = list(range(capacity, 0, -1))
+        self.slot: dict[str, int] = {}
+        self.refs: dict[str, int] = {}
+        self.idle: OrderedDict[str, None] = OrderedDict()  # unreferenced, LRU first
+
+    def acquire(self, key: str) -> tuple[int, bool]:
+        """(slot, True if the image must be encoded into it)."""
+        if key in self.slot:
+            self.refs[key] += 1
+            self.idle.pop(key, None)
+            return self.slot[key], False
+        if not self.free:
+            if not self.idle:
+                raise RuntimeError(
+                    "cross-attention cache full: every slot holds an image of a "
+                    "running request"
+                )
+            old, _ = self.idle.popitem(last=False)
+            self.free.append(self.slot.pop(old))
+            del self.refs[old]
+        slot = self.free.pop()
+        self.slot[key], self.refs[key] = slot, 1
+        return slot, True
+
+    def release(self, key: str) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.idle[key] = None
+
+    def forget(self, key: str) -> None:
+        """Drop an image whose encoding failed: its slot holds nothing valid."""
+        self.idle.pop(key, None)
+        self.refs.pop(key, None)
+        self.free.append(self.slot.pop(key))
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+
+def image_groups(offsets: list[int]) -> list[tuple[int, float]]:
+    """[start, end) positions whose tokens read each image (end inf: to the end).
+
+    An image is read from its own token up to the next image's token; images
+    whose tokens are adjacent form a group that is read until the group after.
+    """
+    n = len(offsets)
+    ends: list[float] = [float(offsets[i + 1]) for i in range(n - 1)] + [float("inf")]
+    for i in range(n - 2, -1, -1):
+        if offsets[i] == ends[i] - 1:  # the next image follows at once
+            ends[i] = ends[i + 1]
+    return [(offsets[i], ends[i]) for i in range(n)]
+
+
+def tile_mask(
+    images: list[RequestImage], positions: np.ndarray, tiles: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """([P, M, tiles] bool tiles read, [P] bool row masked out) for the positions."""
+    m = len(images)
+    groups = image_groups([im.offset for im in images])
+    start = np.array([g[0] for g in groups], np.float64)
+    end = np.array([g[1] for g in groups], np.float64)
+    pos = positions.astype(np.float64)[:, None]
+    reads = (pos >= start) & (pos < end)  # [P, M]
+    real_tiles = (
+        np.arange(tiles)[None, :] < np.array([im.num_tiles for im in images])[:, None]
+    )
+    mask = reads[:, :, None] & real_tiles[None, :, :]
+    masked_out = ~reads.any(axis=1)
+    mask[masked_out] = True  # before the first image: every row of every image
+    return mask.reshape(len(positions), m, tiles), np.asarray(masked_out)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class CrossAttentionInputs:
+    def __init__(
+        self,
+        model: Any,
+        vllm_config: Any,
+        device: torch.device,
+        graphs: GraphRunner,
+        max_images_per_prompt: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        vision = model.vision
+        self.tiles = vision.tiles
+        self.rows = vision.tiles * vision.num_patches
+        self.max_images = max_images_per_prompt
+        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        capacity = max_seqs * max_images_per_prompt
+        self.slots = ImageSlots(capacity)
+        dtype = vllm_config.model_config.dtype
+        for layer in model.cross_attention_layers():
+            layer.cache = torch.zeros(
+                2, capacity + 1, self.rows, layer.num_kv_heads, layer.head_dim,
+                dtype=dtype, device=device,
+            )  # fmt: skip
+        self.item_buckets = exponential(1, max(1, min(8, capacity)))
+        self.encoder_states = vision.new_states(self.item_buckets[-1], device, dtype)
+        self._encode = model.encode_images
+        if graphs.mode == "compile":
+            self._encode = torch.compile(
+                model.encode_images, backend=graphs.counter, dynamic=False
+            )
+        self.images: dict[str, list[RequestImage]] = {}  # request -> its images
+        cache_mib = (
+            sum(
+                layer.cache.numel() * layer.cache.element_size()
+                for layer in model.cross_attention_layers()
+            )
+            / 2**20
+        )
+        logger.info(
+            "Cross-attention cache: %d image slots x %d rows, %.1f MiB; "
+            "encoder_states buffer %s",
+            capacity,
+            self.rows,
+            cache_mib,
+            tuple(self.encoder_states.shape),
+        )
+
+    # ---- requests come and go ------------------------------------------------------
+    def update(self, scheduler_output: Any, requests: Any) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self._release(req_id)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._release(req_id)
+        pending: dict[str, tuple[int, Any]] = {}
+        arriving = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        arriving += [r for r in cached.req_ids if r in cached.resumed_req_ids]
+        for req_id in arriving:
+            if req_id in self.images:
+                continue
+            state: RequestState = requests[req_id]
+            feats = sorted(
+                (f for f in state.mm_features if f.modality == "image"),
+                key=lambda f: f.mm_position.offset,
+            )
+            if len(feats) > self.max_images:
+                raise ValueError(
+                    f"request {req_id}: {len(feats)} images, the plugin's "
+                    f"cross-attention cache holds {self.max_images} per request"
+                )
+            images = []
+            for f in feats:
+                slot, new = self.slots.acquire(f.identifier)
+                if new:
+                    pending[f.identifier] = (slot, f.data)
+                num_tiles = int(f.data["num_tiles"].data) if f.data is not None else 0
+                images.append(
+                    RequestImage(f.identifier, f.mm_position.offset, num_tiles)
+                )
+            self.images[req_id] = images
+        if pending:
+            self._encode_pending(pending)
+        metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
+
+    def _release(self, req_id: str) -> None:
+        for im in self.images.pop(req_id, ()):
+            self.slots.release(im.key)
+
+    def _encode_pending(self, pending: dict[str, tuple[int, Any]]) -> None:
+        keys = list(pending)
+        try:
+            items = [("image", pending[k][1]) for k in keys]
+            done = 0
+            for _, num, kwargs in group_and_batch_mm_kwargs(items, device=self.device):
+                step = self.item_buckets[-1]
+                for start in range(0, num, step):
+                    n = min(step, num - start)
+                    batch_keys = keys[done : done + n]
+                    slots = [pending[k][0] for k in batch_keys]
+                    self.encode(
+                        {k: v[start : start + n] for k, v in kwargs.items()},  # type: ignore[misc]
+                        slots,
+                    )
+                    done += n
+        except BaseException:
+            for k in keys:
+                self.slots.forget(k)
+            raise
+        metrics.ENCODER_RUNS.inc(len(keys))
+
+    def encode(self, kwargs: dict[str, torch.Tensor], slots: list[int]) -> None:
+        """Encode n images (padded to their bucket) into their cache slots."""
+        n = len(slots)
+        size = smallest_fit(n, self.item_buckets) or n
+        pad = size - n
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self.device)
+            if not t.is_inference():
+                t = t.clone()
+            return torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t
+
+        states = self._encode(
+            padded(kwargs["pixel_values"]),
+            padded(kwargs["aspect_ratio_ids"]),
+            padded(kwargs["aspect_ratio_mask"]),
+            self.encoder_states[:size],
+        )
+        slot_ids = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.model.write_cross_kv(states[:n], slot_ids)
+
+    def warm_up(self) -> int:
+        """Run every images-per-batch bucket once. Returns the number of shapes."""
+        vision = self.model.vision
+        side = vision.tile_size
+        for size in self.item_buckets:
+            dtype = self.encoder_states.dtype
+            self._encode(
+                torch.zeros(
+                    size, self.tiles, 3, side, side, dtype=dtype, device=self.device
+                ),
+                torch.ones(size, dtype=torch.int64, device=self.device),
+                torch.ones(size, self.tiles, dtype=torch.int64, device=self.device),
+                self.encoder_states[:size],
+            )
+        return len(self.item_buckets)
+
+    # ---- per step ------------------------------------------------------------------
+    def metadata(
+        self, batch: StepBatch, states: list[RequestState]
+    ) -> CrossAttentionMetadata:
+        shape = batch.shape
+        n_dec_pad, n_pre_pad = shape.num_decodes, shape.num_prefill_tokens
+        tiles, m = self.tiles, self.max_images
+        dec_slots = np.zeros((n_dec_pad, m), np.int64)
+        dec_mask = np.zeros((n_dec_pad, m, tiles), bool)
+        active = np.zeros(shape.num_tokens, np.float32)
+        mlp_scale = np.ones(shape.num_tokens, np.float32)
+        pre_cols: list[int] = []
+        pre_rows: list[tuple[int, int, np.ndarray]] = []  # (row, first col, mask)
+        for i, (state, q, row) in enumerate(
+            zip(states, batch.query_lens, batch.row_starts, strict=True)
+        ):
+            images = self.images.get(state.req_id)
+            if not images:
+                continue
+            q, row = int(q), int(row)
+            positions = state.num_computed_tokens + np.arange(q)
+            mask, masked_out = tile_mask(images, positions, tiles)
+            active[row : row + q] = 1.0
+            mlp_scale[row : row + q] = np.where(masked_out, 0.0, 1.0)
+            slots = [self.slots.slot[im.key] for im in images]
+            if row < n_dec_pad and q == 1 and i < n_dec_pad:
+                dec_slots[row, : len(slots)] = slots
+                dec_mask[row, : len(slots)] = mask[0]
+            else:
+                pre_rows.append((row - n_dec_pad, len(pre_cols), mask))
+                pre_cols.extend(slots)
+        n = _next_pow2(len(pre_cols)) if pre_cols else 0
+        pre_slots = np.zeros(n, np.int64)
+        pre_slots[: len(pre_cols)] = pre_cols
+        pre_mask = np.zeros((n_pre_pad, n, tiles), bool)
+        for r, c, mask in pre_rows:
+            pre_mask[r : r + mask.shape[0], c : c + mask.shape[1]] = mask
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        return CrossAttentionMetadata(
+            dec_slots=t(dec_slots),
+            dec_tile_mask=t(dec_mask),
+            pre_slots=t(pre_slots),
+            pre_tile_mask=t(pre_mask),
+            active=t(active[:, None]),
+            mlp_scale=t(mlp_scale[:, None]),
+        )

@@ -464,6 +464,11 @@ class HpuMMConfig:
     mm_encoder_cache_items: int = _opt(
         64, "multimodal encoder outputs kept cached per worker", low=1
     )
+    mm_max_image_pixels: int = _opt(
+        4096 * 4096,
+        "largest image (width x height, read from its header) a request may send",
+        low=1,
+    )
     config_file: str | None = _opt(
         None, "YAML file read first; keys given inline override it"
     )

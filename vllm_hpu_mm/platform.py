@@ -128,8 +128,10 @@ class _HpuMMPlatformBase(Platform):
         params: SamplingParams | PoolingParams,
     ) -> None:
         from vllm_hpu_mm.platform_config import validate_sampling_params
+        from vllm_hpu_mm.serving import check_request
 
         validate_sampling_params(params)
+        check_request(processed_inputs)
 
 
 class HpuMMPlatform(_HpuMMPlatformBase):

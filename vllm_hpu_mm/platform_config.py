@@ -32,14 +32,18 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _set_block_size(vllm_config, device_type)  # 4. KV block size
     _set_scheduling(vllm_config)  # 5. synchronous scheduling
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
+    _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     logger.info(
         "vllm-hpu-mm config: device=%s block_size=%s max_num_seqs=%s "
-        "max_num_batched_tokens=%s chunked_prefill=%s plugin=%s",
+        "max_num_batched_tokens=%s chunked_prefill=%s prefix_caching=%s plugin=%s",
         device_type,
         vllm_config.cache_config.block_size,
         vllm_config.scheduler_config.max_num_seqs,
         vllm_config.scheduler_config.max_num_batched_tokens,
         vllm_config.scheduler_config.enable_chunked_prefill,
+        # vLLM's default (on for generation models) is kept: the runner serves
+        # prefills that start after cached blocks, images included.
+        getattr(vllm_config.cache_config, "enable_prefix_caching", None),
         plugin_config,
     )
 
@@ -119,6 +123,13 @@ def _set_compilation(vllm_config: VllmConfig) -> None:
 
 # ---- per-request checks (API-server side) ---------------------------------------
 
+
+def _install_request_checks(plugin_config: Any, vllm_config: VllmConfig) -> None:
+    from vllm_hpu_mm.serving import install
+
+    install(plugin_config, vllm_config)
+
+
 _UNSUPPORTED_SAMPLING = {
     "min_p": lambda v: bool(v),
     "logit_bias": lambda v: bool(v),
@@ -129,18 +140,23 @@ _UNSUPPORTED_SAMPLING = {
 
 
 def validate_sampling_params(params: Any) -> None:
-    """Raise ValueError (a 400 in the API server) for options we do not run."""
+    """Raise RequestRejected (a ValueError, and a 400 in the API server: a bare
+    ValueError raised there would become an empty 500) for options we do not run."""
     from vllm.sampling_params import SamplingParams
 
+    from vllm_hpu_mm.serving.errors import RequestRejected
+
     if not isinstance(params, SamplingParams):
-        raise ValueError("vllm-hpu-mm serves generation requests only (no pooling)")
+        raise RequestRejected(
+            "vllm-hpu-mm serves generation requests only (no pooling)"
+        )
     used = [
         f"{name}={getattr(params, name)!r}"
         for name, is_set in _UNSUPPORTED_SAMPLING.items()
         if is_set(getattr(params, name, None))
     ]
     if used:
-        raise ValueError(
+        raise RequestRejected(
             "vllm-hpu-mm does not support the sampling option(s) "
             + ", ".join(used)
             + "; supported: temperature, top_p, top_k, seed, n, logprobs, stop, "

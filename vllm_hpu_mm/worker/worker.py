@@ -143,6 +143,10 @@ class HpuMMWorker(WorkerBase):
     def reset_encoder_cache(self) -> None:
         return None
 
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory of this worker (0 on the CPU); read by the bench."""
+        return dev.peak_memory_bytes()
+
     def get_cache_block_size_bytes(self) -> int:
         specs = self.get_kv_cache_spec()
         return sum(s.page_size_bytes for s in specs.values())

@@ -29,10 +29,14 @@ def register() -> str | None:
 
 
 def register_models() -> None:
-    """General plugin entry point: out-of-tree model registrations."""
+    """General plugin entry point: out-of-tree model registrations, and the
+    patches (also in the engine core, which on the CPU under Ray touches
+    ``torch.accelerator`` at shutdown)."""
     from vllm_hpu_mm.models import register_all
+    from vllm_hpu_mm.patches import apply_patches
 
     register_all()
+    apply_patches()
 
 
 def _ensure_prometheus_multiprocess_dir() -> None:

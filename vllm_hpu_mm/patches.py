@@ -1,8 +1,9 @@
 """Every unavoidable patch of vLLM or torch, in one place.
 
 Each entry says why it exists, what it changes and when it can go. Patches are
-applied by ``apply_patches()`` from the worker's ``init_device`` (never at
-import), only where their condition holds, and each at most once.
+applied by ``apply_patches()`` from the worker's ``init_device`` and from the
+general plugin entry point in every vLLM process (never at import), only where
+their condition holds, and each at most once.
 """
 
 from __future__ import annotations

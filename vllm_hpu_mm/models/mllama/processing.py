@@ -109,7 +109,7 @@ class MllamaMultiModalProcessor(BaseMultiModalProcessor[MllamaProcessingInfo]):
         """
         out = super().apply(inputs, timing_ctx)
         places = out.get("mm_placeholders", {}).get("image")
-        if places:
+        if places and isinstance(places, list):
             end = places[0].offset + places[0].length
             places[0] = PlaceholderRange(
                 offset=0, length=end, is_embed=torch.zeros(end, dtype=torch.bool)

@@ -33,6 +33,8 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _set_scheduling(vllm_config)  # 5. synchronous scheduling
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
+    _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
+    _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt, TP
     logger.info(
         "vllm-hpu-mm config: device=%s block_size=%s max_num_seqs=%s "
         "max_num_batched_tokens=%s chunked_prefill=%s prefix_caching=%s plugin=%s",
@@ -119,6 +121,45 @@ def _set_compilation(vllm_config: VllmConfig) -> None:
     cc.cudagraph_mode = CUDAGraphMode.NONE
     cc.cudagraph_capture_sizes = []
     cc.max_cudagraph_capture_size = 0
+
+
+DEFAULT_SHUTDOWN_DRAIN_S = 30
+MLLAMA_DEFAULT_IMAGES_PER_PROMPT = 2
+
+
+def _set_shutdown_drain(vllm_config: VllmConfig) -> None:
+    # vLLM's default (0) aborts in-flight requests on SIGTERM. A serving pod is
+    # stopped by SIGTERM on every rollout, so drain for up to 30 s instead (the
+    # Kubernetes default grace period); --shutdown-timeout N still wins.
+    if getattr(vllm_config, "shutdown_timeout", None) == 0:
+        vllm_config.shutdown_timeout = DEFAULT_SHUTDOWN_DRAIN_S
+
+
+def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
+    """Mllama keeps each image's cross-attention K/V in a cache sized by the
+    images per prompt: cap them (vLLM's default, 999, would size it absurdly),
+    so that the API server refuses more with a 400."""
+    mc = getattr(vllm_config, "model_config", None)
+    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
+    if "MllamaForConditionalGeneration" not in archs:
+        return
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise UnsupportedConfigError(
+            "vllm-hpu-mm runs Mllama on one device: its cross-attention layers "
+            "are not sharded (drop --tensor-parallel-size)"
+        )
+    mm = getattr(mc, "multimodal_config", None)
+    if mm is not None and "image" not in mm.limit_per_prompt:
+        from vllm.config.multimodal import ImageDummyOptions
+
+        mm.limit_per_prompt["image"] = ImageDummyOptions(
+            count=MLLAMA_DEFAULT_IMAGES_PER_PROMPT, width=None, height=None
+        )
+        logger.info(
+            "Mllama: at most %d images per prompt (set --limit-mm-per-prompt "
+            "to change)",
+            MLLAMA_DEFAULT_IMAGES_PER_PROMPT,
+        )
 
 
 # ---- per-request checks (API-server side) ---------------------------------------

@@ -1,10 +1,11 @@
 """SIGTERM while streams are in flight: they complete, ``vllm serve`` exits 0.
 
 vLLM 0.33's ``vllm serve`` handles SIGTERM itself (entrypoints/launchers/
-launcher.py): with the default ``--shutdown-timeout 0`` it aborts in-flight
-requests; with ``--shutdown-timeout N`` the engine core drains them for up to N
-seconds (the HTTP server keeps streaming meanwhile), then the process exits 0.
-The plugin changes nothing there; this test shows that the drain works on it.
+launcher.py): with ``--shutdown-timeout 0`` (vLLM's default) it aborts in-flight
+requests; with N > 0 the engine core drains them for up to N seconds (the HTTP
+server keeps streaming meanwhile), then the process exits 0. The plugin makes
+the drain the default (``platform_config.DEFAULT_SHUTDOWN_DRAIN_S``), so the
+server here is started without the flag.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import pytest
 
 from tests.e2e.test_serve import STOP_TIMEOUT_S, Server, _sse_events, serve
 from tests.mm_reference import make_image, png_data_url, tiny_llava_dir
+from vllm_hpu_mm.platform_config import DEFAULT_SHUTDOWN_DRAIN_S as DRAIN_S
 
 pytestmark = pytest.mark.e2e
 
 NUM_STREAMS = 3
 MAX_NEW = 400  # long enough to be in flight when SIGTERM arrives
-DRAIN_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         log_path,
         "--limit-mm-per-prompt",
         json.dumps({"image": 1}),
-        "--shutdown-timeout",
-        str(DRAIN_S),
     )
 
 

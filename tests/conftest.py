@@ -31,3 +31,11 @@ def tiny_llama_dir() -> str:
 def tiny_mistral_dir() -> str:
     """Path of the tiny Mistral model (16-token sliding window, float32)."""
     return _tiny_model_dir("tiny-mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_mllama_dir() -> str:
+    """Path of the tiny Mllama model (4 tiles of 32x32, float32), built if missing."""
+    from vllm_hpu_mm.tools.build_tiny_mllama import build_tiny_mllama
+
+    return str(build_tiny_mllama(MODELS_DIR))

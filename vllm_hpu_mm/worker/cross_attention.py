@@ -78,6 +78,8 @@ class ImageSlots:
         return slot, True
 
     def release(self, key: str) -> None:
+        if self.refs.get(key, 0) <= 0:
+            raise RuntimeError(f"image {key!r} released more often than acquired")
         self.refs[key] -= 1
         if self.refs[key] == 0:
             self.idle[key] = None

@@ -165,3 +165,49 @@ def test_llava_random_mm_pool_and_prefix(tmp_path: Path) -> None:
     enc = ours["encoder"]
     assert enc["mm_items"] == images // NUM_IMAGE_TOKENS
     assert enc["runs"] <= enc["mm_items"]
+
+
+def test_mllama_random_mm_both_backends(tiny_mllama_dir: str, tmp_path: Path) -> None:
+    """Mllama: one ``<|image|>`` token per image, images read by cross-attention
+    and encoded when their request arrives; each image at most once."""
+    report, text = _bench(
+        tmp_path,
+        [
+            "--model", tiny_mllama_dir, "--dtype", "float32",
+            "--max-model-len", "256", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "64",
+            "--dataset-name", "random-mm", "--num-prompts", str(NUM_PROMPTS),
+            "--input-len", "12", "--output-len", str(OUTPUT_LEN),
+            "--prefix-len", "32", "--mm-items-per-prompt", "1-2",
+            "--mm-image-sizes", "40x24,24x40,32x32", "--mm-image-pool", "2",
+            "--enable-prefix-caching", "--backend", "both",
+            "--additional-config", '{"hpu_mm": {"graph_mode": "eager"}}',
+        ],
+    )  # fmt: skip
+    assert check_report(report) == []
+    ours, hf = report["results"][VLLM], report["results"][HF]
+    for r in (ours, hf):
+        assert r["num_requests"] == NUM_PROMPTS
+        assert r["tokens"]["output"] == NUM_PROMPTS * OUTPUT_LEN
+        assert all(q["output_tokens"] == OUTPUT_LEN for q in r["requests"])
+        assert r["requests_per_s"] > 0 and r["ttft_s"]["p50"] > 0
+    # The same prompts, request by request: vLLM's tokenization on both sides
+    # (one BOS), one placeholder token per image.
+    for key in ("prompt_tokens", "image_tokens"):
+        assert [q[key] for q in ours["requests"]] == [q[key] for q in hf["requests"]]
+    enc = ours["encoder"]
+    images = ours["tokens"]["prompt_image"]
+    assert images == enc["mm_items"]
+    assert NUM_PROMPTS <= images <= 2 * NUM_PROMPTS
+    assert all(1 <= q["image_tokens"] <= 2 for q in ours["requests"])
+    # A fresh engine encodes the two pooled images, each once, and reuses
+    # their cross-attention K/V for every later request.
+    assert enc["distinct_items"] == 2
+    assert 1 <= enc["runs"] <= enc["distinct_items"]
+    assert enc["runs_per_item"] is not None and enc["runs_per_item"] <= 1
+    pc = ours["prefix_cache"]
+    # Prompts with the same images share the prefix's blocks (the cache salt
+    # names a request's images, so only those).
+    assert pc["enabled"] and pc["queries"] > 0 and pc["hits"] > 0
+    assert ours["padding"]["scheduled_tokens"] > 0
+    assert f"{enc['distinct_items']} distinct" in text

@@ -125,6 +125,23 @@ def test_random_mm_sizes_items_and_placeholders() -> None:
         assert len(WordTokenizer().encode(r.prompt.replace(IMAGE, " "))) == 3 + 6
 
 
+class SpellingTokenizer(WordTokenizer):
+    """Decodes id 13 as the image token's text, as a real tokenizer's pieces
+    can spell ``<|image|>`` or ``<image>`` by chance."""
+
+    def decode(self, ids: list[int], *args: Any, **kwargs: Any) -> str:
+        return "".join(IMAGE if i == 13 else f"w{i} " for i in ids)
+
+
+def test_random_mm_one_image_token_per_image() -> None:
+    spec = ds.TextSpec(num_prompts=30, input_len=20, output_len=2, prefix_len=8)
+    images = ds.ImageSpec(sizes=((8, 8),), items_per_prompt=(0, 2), pool=2)
+    spelled = [SpellingTokenizer().decode(list(range(10, 110)))]
+    assert spelled[0].count(IMAGE) == 1  # the tokenizer does spell it
+    for r in ds.random_mm(spec, images, SpellingTokenizer(), VOCAB, IMAGE):
+        assert r.prompt is not None and r.prompt.count(IMAGE) == len(r.images)
+
+
 def test_random_mm_without_pool_every_image_is_new() -> None:
     reqs = _mm(pool=0, items=(2, 2))
     keys = [k for r in reqs for k in r.image_keys]
@@ -269,7 +286,12 @@ def _vllm_extra() -> dict[str, Any]:
             "fallback_steps": 0,
             "by_bucket": {"32": {"scheduled_tokens": 28, "padded_tokens": 4}},
         },
-        "encoder": {"runs": 2, "mm_items": 4, "runs_per_item": 0.5},
+        "encoder": {
+            "runs": 2,
+            "mm_items": 4,
+            "distinct_items": 3,
+            "runs_per_item": 0.5,
+        },
         "prefix_cache": {"enabled": True, "queries": 40, "hits": 8, "hit_rate": 0.2},
         "peak_memory": {"device_bytes": 0, "host_rss_bytes": 2**30},
     }
@@ -295,6 +317,7 @@ def test_report_schema_and_ratio() -> None:
     text = format_report(report)
     assert "4.00x" in text and "Padding waste: 25.0 %" in text
     assert "hit rate 20.0 %" in text
+    assert "Encoder: 2 runs for 4 items, 3 distinct (0.50 per item)" in text
 
 
 def test_report_schema_catches_problems() -> None:
@@ -379,3 +402,36 @@ def test_full_parser_takes_engine_args() -> None:
     assert args.enable_prefix_caching is False and args.max_num_seqs == 4
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--mm-image-sizes", "64"])
+
+
+# --- encoder figures ----------------------------------------------------------------
+
+
+def _snapshot(runs: int, items: int) -> dict[str, Any]:
+    return {"encoder_runs": runs, "mm_items": items}
+
+
+def test_encoder_items_are_the_requests_images() -> None:
+    """Items are counted from the timed requests, also for a runner that does
+    not count them (Mllama's cross-attention runner leaves the counter)."""
+    from vllm_hpu_mm.bench.vllm_backend import _encoder
+
+    def req(*keys: str) -> ds.BenchRequest:
+        return ds.BenchRequest(
+            output_len=1,
+            prompt="x",
+            images=[object()] * len(keys),
+            image_keys=list(keys),
+        )
+
+    reqs = [req("a"), req("a", "b"), req(), req("b", "a")]
+    enc = _encoder(_snapshot(5, 7), _snapshot(7, 7), reqs)
+    assert enc == {
+        "runs": 2,
+        "mm_items": 5,
+        "distinct_items": 2,
+        "runs_per_item": 0.4,
+        "items_counter": 0,
+    }
+    text_only = _encoder(_snapshot(0, 0), _snapshot(0, 0), [req(), req()])
+    assert text_only["mm_items"] == 0 and text_only["runs_per_item"] is None

@@ -190,13 +190,22 @@ def random_mm(
     """Text prompts ``prefix + image tokens + random text`` with their images.
 
     The text parts are random ids decoded to text, so the model's prompt is
-    about, not exactly, ``input_len`` tokens (the report counts the real ones).
+    about, not exactly, ``input_len`` tokens (the report counts the real ones);
+    any ``image_token`` the decoded pieces happen to spell is taken out, so a
+    prompt holds exactly one ``image_token`` per image (LLaVA's processor
+    expands each; Mllama keeps it as the image's one ``<|image|>`` token).
     With ``images.pool`` = N, N images are made once and every prompt picks
     from them (distinct within a prompt while N allows); otherwise every image
     is new.
     """
     rng = random.Random(text.seed)
-    prefix = tokenizer.decode([rng.choice(vocab) for _ in range(text.prefix_len)])
+
+    def words(n: int) -> str:
+        return tokenizer.decode([rng.choice(vocab) for _ in range(n)]).replace(
+            image_token, ""
+        )
+
+    prefix = words(text.prefix_len)
     pool = [
         (f"pool-{i}", rng.choice(images.sizes), rng.randrange(2**31))
         for i in range(images.pool)
@@ -224,7 +233,7 @@ def random_mm(
             ims.append(cache[key])
         n_in = _length(rng, text.input_len, text.range_ratio)
         n_out = _length(rng, text.output_len, text.range_ratio)
-        body = tokenizer.decode([rng.choice(vocab) for _ in range(n_in)])
+        body = words(n_in)
         out.append(
             BenchRequest(
                 output_len=n_out,

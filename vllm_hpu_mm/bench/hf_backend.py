@@ -7,7 +7,14 @@ came out, which gives every request a real TTFT (from the start of the whole
 run, as in vLLM, where every request arrives at once), TPOT and end time.
 
 Text models load with ``AutoModelForCausalLM``; models with a vision config
-(LLaVA, Idefics3) with ``AutoProcessor`` + ``AutoModelForImageTextToText``.
+(LLaVA, Idefics3, Mllama) with ``AutoProcessor`` + ``AutoModelForImageTextToText``.
+
+Mllama's prompts are tokenized as vLLM tokenizes them (the tokenizer alone,
+one BOS), not by ``MllamaProcessor``, which puts a second BOS after the
+leading image tokens: both backends then run and count the same prompt
+tokens. Its other inputs come from transformers' own code, as in its
+processor: pixel values and aspect-ratio ids/masks from the image processor,
+the cross-attention mask from ``processing_mllama`` over the left-padded ids.
 On Gaudi, ``vllm_hpu_mm.device`` adapts transformers with optimum-habana
 before loading and moves the model to the device.
 """
@@ -104,21 +111,16 @@ class HfRunner:
         self.device = device.torch_device()
         self.generate_kwargs = device.hf_generate_kwargs()
         self.image_id = _image_token_id(config)
+        # Mllama: ids from the tokenizer, like vLLM (see the module docstring)
+        self.mllama = getattr(config, "model_type", None) == "mllama"
 
     def inputs(self, batch: Sequence[BenchRequest]) -> dict[str, Any]:
         """The batch's tensors, left padded, on the device."""
-        import torch
-
+        tensors: dict[str, Any]
         if all(r.prompt_token_ids is not None for r in batch):
-            ids = [list(r.prompt_token_ids or []) for r in batch]
-            width = max(map(len, ids))
-            input_ids = torch.tensor(
-                [[self.pad_id] * (width - len(x)) + x for x in ids], dtype=torch.long
-            )
-            mask = torch.tensor(
-                [[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long
-            )
-            tensors: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
+            tensors = self._left_padded([list(r.prompt_token_ids or []) for r in batch])
+        elif self.mllama:
+            tensors = self._mllama_inputs(batch)
         elif self.processor is not None:
             texts = [r.prompt for r in batch]
             images = [list(r.images) for r in batch]
@@ -138,8 +140,55 @@ class HfRunner:
             )
         return {k: v.to(self.device) for k, v in tensors.items()}
 
-    def generate(self, inputs: dict[str, Any], max_new_tokens: int) -> list[float]:
-        """Run one batch; the time each new token came out."""
+    def _left_padded(self, ids: list[list[int]]) -> dict[str, Any]:
+        import torch
+
+        width = max(map(len, ids))
+        return {
+            "input_ids": torch.tensor(
+                [[self.pad_id] * (width - len(x)) + x for x in ids], dtype=torch.long
+            ),
+            "attention_mask": torch.tensor(
+                [[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long
+            ),
+        }
+
+    def _mllama_inputs(self, batch: Sequence[BenchRequest]) -> dict[str, Any]:
+        """Mllama's batch: the prompts tokenized as vLLM does, left padded;
+        the images and the cross-attention mask as ``MllamaProcessor`` makes
+        them (a batch holds one number of images per prompt, see ``batches``)."""
+        import torch
+        from transformers.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense,
+            get_cross_attention_token_mask,
+        )
+
+        tensors = self._left_padded(
+            [list(self.tokenizer(r.prompt)["input_ids"]) for r in batch]
+        )
+        if not any(r.images for r in batch) or self.image_id is None:
+            return tensors
+        assert self.processor is not None
+        image_processor = self.processor.image_processor
+        pix = dict(
+            image_processor(images=[list(r.images) for r in batch], return_tensors="pt")
+        )
+        num_tiles = pix.pop("num_tiles")
+        rows = tensors["input_ids"].tolist()
+        mask = convert_sparse_cross_attention_mask_to_dense(
+            [get_cross_attention_token_mask(row, self.image_id) for row in rows],
+            num_tiles=num_tiles,
+            max_num_tiles=image_processor.max_image_tiles,
+            length=len(rows[0]),
+        )
+        tensors.update(pix, cross_attention_mask=torch.as_tensor(mask))
+        return tensors
+
+    def generate(
+        self, inputs: dict[str, Any], max_new_tokens: int
+    ) -> tuple[list[float], list[list[int]]]:
+        """Run one batch: the time each new token came out, and each row's new
+        token ids."""
         import torch
         from transformers import StoppingCriteriaList
 
@@ -147,7 +196,7 @@ class HfRunner:
 
         clock = _TokenClock(device.synchronize)
         with torch.inference_mode():
-            self.model.generate(
+            out = self.model.generate(
                 **inputs,
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
@@ -157,7 +206,9 @@ class HfRunner:
                 stopping_criteria=StoppingCriteriaList([clock]),
                 **self.generate_kwargs,
             )
-        return clock.stamps
+        sequences = getattr(out, "sequences", out)
+        new = sequences[:, inputs["input_ids"].shape[1] :]
+        return clock.stamps, [row.tolist() for row in new]
 
 
 def _image_token_id(config: Any) -> int | None:
@@ -195,7 +246,7 @@ def run_hf(
     for group in groups:
         batch = [requests[i] for i in group]
         inputs = runner.inputs(batch)
-        stamps = runner.generate(inputs, max(r.output_len for r in batch))
+        stamps, _ = runner.generate(inputs, max(r.output_len for r in batch))
         mask = inputs["attention_mask"]
         ids = inputs["input_ids"]
         for row, (i, req) in enumerate(zip(group, batch, strict=True)):

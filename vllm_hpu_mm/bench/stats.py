@@ -160,7 +160,12 @@ _VLLM_RESULT: dict[str, Any] = {
         "fallback_steps": int,
         "by_bucket": dict,
     },
-    "encoder": {"runs": int, "mm_items": int, "runs_per_item": _OPT_NUM},
+    "encoder": {
+        "runs": int,
+        "mm_items": int,  # images in the timed requests
+        "distinct_items": int,
+        "runs_per_item": _OPT_NUM,
+    },
     "prefix_cache": {
         "enabled": bool,
         "queries": int,
@@ -252,6 +257,7 @@ def format_report(report: Mapping[str, Any]) -> str:
                 f"padded / {pad['scheduled_tokens']} real token rows), "
                 f"fallback steps {pad['fallback_steps']}",
                 f"Encoder: {enc['runs']} runs for {enc['mm_items']} items"
+                + f", {enc['distinct_items']} distinct"
                 + (f" ({per_item:.2f} per item)" if per_item is not None else ""),
                 f"Prefix cache ({'on' if pc['enabled'] else 'off'}): "
                 + (f"hit rate {100 * hit:.1f} %" if hit is not None else "no queries")

@@ -164,4 +164,9 @@ class HpuMMWorker(WorkerBase):
         return set()
 
     def shutdown(self) -> None:
+        # The gauge's file outlives this process in the multiprocess directory
+        # (read with "max" across processes): leave 0 behind, not stale items.
+        from vllm_hpu_mm import metrics
+
+        metrics.ENCODER_CACHE_ITEMS.set(0)
         self.runner = None

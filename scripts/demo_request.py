@@ -41,7 +41,9 @@ def main(model: str) -> None:
     print(json.dumps(request))
     shown = json.dumps(request, indent=2)
     if isinstance(content, list):
-        shown = shown.replace(content[0]["image_url"]["url"], "data:image/png;base64,...")
+        shown = shown.replace(
+            content[0]["image_url"]["url"], "data:image/png;base64,..."
+        )
     print(shown, file=sys.stderr)
 
 

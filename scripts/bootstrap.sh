@@ -13,6 +13,13 @@ LOCK=requirements/lock.txt
 STAMP=$VENV/.bootstrap-stamp
 want=$(cat scripts/bootstrap.sh setup.cfg pyproject.toml "$LOCK" | sha256sum | cut -d' ' -f1)
 
+# The deploy tests render the manifests with the real kustomize, bundled in kubectl.
+if ! command -v kubectl >/dev/null 2>&1; then
+    echo "bootstrap: kubectl not found; tests/unit/test_deploy.py renders with" \
+        "'kubectl kustomize' and will fail. Install kubectl >= 1.27 (kustomize v5)" \
+        "from your distribution's packages (Debian/Ubuntu: apt-get install kubectl)." >&2
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi

@@ -45,8 +45,14 @@ class HpuMMWorker(WorkerBase):
     # ---- life cycle ---------------------------------------------------------------
     def init_device(self) -> None:
         apply_patches()
-        self.device = dev.torch_device(self.local_rank)
+        # HPU: this rank's card via HABANA_VISIBLE_MODULES, before anything
+        # touches the device; the device is un-indexed "hpu".
+        self.device = dev.claim_device(self.local_rank)
         dev.set_device(self.device)
+        if dev.device_kind() == "hpu":
+            from vllm_hpu_mm.fused_ops import register_fused_ops
+
+            register_fused_ops()  # before the model's layers are built
         pc = self.parallel_config
         init_distributed_environment(
             pc.world_size,

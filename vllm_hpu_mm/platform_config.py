@@ -170,7 +170,9 @@ def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
-def _check_lazy_mode(plugin_config: Any, vllm_config: VllmConfig, device_type: str) -> None:
+def _check_lazy_mode(
+    plugin_config: Any, vllm_config: VllmConfig, device_type: str
+) -> None:
     """Refuse torch.compile under HPU lazy mode (``PT_HPU_LAZY_MODE=1``): Dynamo
     and lazy mode are mutually exclusive. Lazy mode runs with
     ``graph_mode: eager`` (or ``--enforce-eager``): ops are queued and each step

@@ -120,6 +120,10 @@ class FakeTorchHpu:
         self.card = free[0]
         self.host.owner[self.card] = self.name
 
+    def is_available(self) -> bool:
+        # Asked by Dynamo while it traces; answered from the loaded bridge.
+        return True
+
     # device queries (each one touches the card)
     def mem_get_info(self) -> tuple[int, int]:
         self._touch("mem_get_info")
@@ -248,10 +252,12 @@ def fake_apply_rotary_pos_emb(
 class FakeHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves the fake ``habana_frameworks`` modules and records their imports.
 
-    ``install`` puts it on ``sys.meta_path``, ``torch.hpu`` (a process of
-    ``host``) on torch, and registers ``hpu_backend`` with Dynamo when
-    ``habana_frameworks.torch.core`` is imported; every change is undone by the
-    monkeypatch (and ``uninstall``).
+    ``install`` puts it on ``sys.meta_path`` and ``torch.hpu`` (a process of
+    ``host``) on torch. Importing ``habana_frameworks.torch`` registers
+    ``hpu_backend`` with Dynamo (vllm-gaudi imports only that module before
+    vLLM's import-time ``@torch.compile(backend=simple_compile_backend)``
+    helpers look the backend up). Every change is undone by the monkeypatch
+    and ``uninstall``.
     """
 
     def __init__(self, host: FakeGaudiHost | None = None, process: str = "worker"):
@@ -315,7 +321,6 @@ class FakeHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.imports.append(module.__name__)
         if module.__name__ == "habana_frameworks.torch":
             self.lazy = os.environ.get(LAZY_ENV, "0") == "1"
-        if module.__name__ == "habana_frameworks.torch.core":
             from torch._dynamo.backends.registry import register_backend
 
             def hpu_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

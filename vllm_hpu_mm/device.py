@@ -165,15 +165,27 @@ def select_card(local_rank: int) -> str | None:
 
 
 def claim_device(local_rank: int) -> torch.device:
-    """The worker's device, with this rank's card selected first (HPU)."""
+    """The worker's device, with this rank's card selected first (HPU).
+
+    In HPU lazy mode Dynamo is switched off for the process, as the official
+    Gaudi plugin does: vLLM's own ``@torch.compile`` helpers (sampler logprobs,
+    vocab-parallel embedding) then run eagerly instead of failing in a mode
+    that cannot compile.
+    """
     card = select_card(local_rank)
     if device_kind() == "hpu":
+        lazy = is_lazy_mode()
+        if lazy:
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.disable = True
         logger.info(
-            "vllm-hpu-mm: local rank %d uses %s",
+            "vllm-hpu-mm: local rank %d uses %s, %s mode",
             local_rank,
             f"module {card} ({VISIBLE_MODULES_ENV})"
             if card is not None
             else f"the first free card ({VISIBLE_MODULES_ENV} unset)",
+            "lazy (PT_HPU_LAZY_MODE=1, Dynamo off)" if lazy else "eager",
         )
     return torch_device(local_rank)
 

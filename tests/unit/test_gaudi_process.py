@@ -272,6 +272,34 @@ def test_the_fake_bridge_refuses_compile_in_lazy_mode(
         torch._dynamo.reset()
 
 
+def test_lazy_worker_runs_vllms_compiled_helpers_eagerly(
+    monkeypatch: pytest.MonkeyPatch, gaudi_process: GaudiProcess
+) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setenv(LAZY_ENV, "1")
+    fake = gaudi_process(FakeGaudiHost(), "worker")
+    torch._dynamo.reset()
+    with dynamo_config.patch(disable=False):  # restored on exit
+        device.claim_device(0)
+        assert dynamo_config.disable is True
+        # as vLLM's @torch.compile(backend=current_platform.simple_compile_backend)
+        backend = HpuMMPlatform.simple_compile_backend
+        fn = torch.compile(_double_plus_one, backend=backend)
+        assert torch.equal(fn(torch.arange(3.0)), torch.arange(3.0) * 2 + 1)
+        assert fake.calls == []  # never reached the backend
+    torch._dynamo.reset()
+
+
+def test_eager_worker_keeps_dynamo(gaudi_process: GaudiProcess) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    gaudi_process(FakeGaudiHost(), "worker")
+    with dynamo_config.patch(disable=False):
+        device.claim_device(0)
+        assert dynamo_config.disable is False
+
+
 def test_compile_is_accepted_in_eager_mode(gaudi_process: GaudiProcess) -> None:
     gaudi_process(FakeGaudiHost(), "api-server")  # PT_HPU_LAZY_MODE unset: eager
     assert not device.is_lazy_mode()

@@ -135,44 +135,50 @@ def set_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def select_card(local_rank: int) -> str | None:
-    """Narrow ``HABANA_VISIBLE_MODULES`` to this rank's module (HPU only).
+def select_card(local_index: int, local_ranks: int = 1) -> str | None:
+    """Narrow ``HABANA_VISIBLE_MODULES`` to this worker's module (HPU only).
 
-    vLLM's multiprocessing executor starts every worker with the same
-    environment. When the operator lists several modules, rank ``r`` keeps the
-    ``r``-th one, so the ranks take distinct, predictable cards (vLLM maps local
-    rank to physical id the same way, ``Platform.device_id_to_physical_device_id``).
-    One listed module (Ray sets one per actor) is kept as it is; unset leaves the
-    choice to Habana's runtime (the first free card). Must run before the process
-    first touches the device. Returns the module id kept, or None.
+    vLLM's multiprocessing executor starts every worker of a node with the same
+    environment. When the operator lists several modules and the node runs
+    several workers (``local_ranks``), the worker with host-local index ``i``
+    (vLLM's ``ParallelConfig.get_local_gpu_index``: the local rank, offset by
+    the data-parallel engine) keeps the ``i``-th module, so the workers take
+    distinct, predictable cards (vLLM maps local index to physical id the same
+    way, ``Platform.device_id_to_physical_device_id``). Otherwise the
+    variable is kept: one listed module (Ray sets one per actor) is that card;
+    a single worker takes the first free listed card; unset leaves the choice to
+    Habana's runtime (the first free card). Must run before the process first
+    touches the device. Returns the module id this process will use, or None
+    when the runtime picks it.
     """
     if device_kind() != "hpu":
         return None
     listed = [m.strip() for m in os.environ.get(VISIBLE_MODULES_ENV, "").split(",")]
     listed = [m for m in listed if m]
-    if not listed:
-        return None
     if len(listed) == 1:
         return listed[0]
-    if local_rank >= len(listed):
+    if not listed or local_ranks <= 1:
+        return None
+    if max(local_ranks, local_index + 1) > len(listed):
         raise DeviceError(
-            f"worker local rank {local_rank} has no card: {VISIBLE_MODULES_ENV}="
-            f"{','.join(listed)} lists {len(listed)} module(s) for ranks "
-            f"0..{len(listed) - 1}"
+            f"{local_ranks} workers on this node (this one: local index "
+            f"{local_index}) but {VISIBLE_MODULES_ENV}={','.join(listed)} lists "
+            f"{len(listed)} module(s): list one module per local worker, or unset it"
         )
-    os.environ[VISIBLE_MODULES_ENV] = listed[local_rank]
-    return listed[local_rank]
+    os.environ[VISIBLE_MODULES_ENV] = listed[local_index]
+    return listed[local_index]
 
 
-def claim_device(local_rank: int) -> torch.device:
-    """The worker's device, with this rank's card selected first (HPU).
+def claim_device(local_index: int, local_ranks: int = 1) -> torch.device:
+    """The worker's device, with this worker's card selected first (HPU; see
+    ``select_card``).
 
     In HPU lazy mode Dynamo is switched off for the process, as the official
     Gaudi plugin does: vLLM's own ``@torch.compile`` helpers (sampler logprobs,
     vocab-parallel embedding) then run eagerly instead of failing in a mode
     that cannot compile.
     """
-    card = select_card(local_rank)
+    card = select_card(local_index, local_ranks)
     if device_kind() == "hpu":
         lazy = is_lazy_mode()
         if lazy:
@@ -180,14 +186,15 @@ def claim_device(local_rank: int) -> torch.device:
 
             dynamo_config.disable = True
         logger.info(
-            "vllm-hpu-mm: local rank %d uses %s, %s mode",
-            local_rank,
+            "vllm-hpu-mm: local worker %d of %d uses %s, %s mode",
+            local_index,
+            local_ranks,
             f"module {card} ({VISIBLE_MODULES_ENV})"
             if card is not None
-            else f"the first free card ({VISIBLE_MODULES_ENV} unset)",
+            else "the first free card",
             "lazy (PT_HPU_LAZY_MODE=1, Dynamo off)" if lazy else "eager",
         )
-    return torch_device(local_rank)
+    return torch_device(local_index)
 
 
 def device_count() -> int:

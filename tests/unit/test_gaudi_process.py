@@ -115,7 +115,7 @@ def test_the_fake_host_refuses_a_second_owner(gaudi_process: GaudiProcess) -> No
 
 def test_worker_device_is_unindexed_and_accepted(gaudi_process: GaudiProcess) -> None:
     fake = gaudi_process(FakeGaudiHost(modules=(0, 1)), "rank1")
-    dev = device.claim_device(1)
+    dev = device.claim_device(1, local_ranks=2)
     assert dev == torch.device("hpu") and dev.index is None
     HpuMMPlatform.set_device(dev)  # vLLM's call; no indexed set_device
     with pytest.raises(RuntimeError, match="indexed HPU device"):
@@ -130,7 +130,7 @@ def test_ranks_take_their_listed_modules_in_any_start_order(
     for rank in (1, 0):  # rank 1 starts first
         monkeypatch.setenv(VISIBLE_MODULES_ENV, "2,3")  # what every worker inherits
         fake = gaudi_process(host, f"rank{rank}")
-        device.claim_device(rank)
+        device.claim_device(rank, local_ranks=2)
         device.synchronize()
         cards[rank] = fake.hpu.card
     # rank r -> r-th listed module, as vLLM's device_id_to_physical_device_id maps
@@ -147,9 +147,21 @@ def test_one_listed_module_is_kept(
     assert fake.hpu.card == 5
 
 
+def test_a_single_worker_keeps_the_list(
+    monkeypatch: pytest.MonkeyPatch, gaudi_process: GaudiProcess
+) -> None:
+    monkeypatch.setenv(VISIBLE_MODULES_ENV, "1,2")
+    host = FakeGaudiHost(modules=(0, 1, 2))
+    host.owner[1] = "another job"
+    fake = gaudi_process(host, "engine-core")
+    assert device.select_card(0, local_ranks=1) is None
+    device.synchronize()
+    assert fake.hpu.card == 2  # the first free listed card
+
+
 def test_unset_modules_leave_the_choice_to_habana(gaudi_process: GaudiProcess) -> None:
     fake = gaudi_process(FakeGaudiHost(modules=(0, 1)), "rank1")
-    assert device.select_card(1) is None
+    assert device.select_card(1, local_ranks=2) is None
     device.synchronize()
     assert fake.hpu.card == 0  # the first free card
 
@@ -159,16 +171,19 @@ def test_rank_beyond_the_listed_modules(
 ) -> None:
     monkeypatch.setenv(VISIBLE_MODULES_ENV, "0,1")
     gaudi_process(FakeGaudiHost(modules=(0, 1)), "rank2")
-    with pytest.raises(DeviceError, match=r"local rank 2 has no card.*0\.\.1"):
-        device.select_card(2)
+    with pytest.raises(
+        DeviceError,
+        match=r"3 workers on this node \(this one: local index 2\) but .* 2 module",
+    ):
+        device.select_card(2, local_ranks=3)
 
 
 def test_select_card_leaves_other_devices_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(VISIBLE_MODULES_ENV, "0,1")
-    assert device.select_card(1) is None  # the CPU host of this test
-    assert device.claim_device(1) == torch.device("cpu")
+    assert device.select_card(1, 2) is None  # the CPU host of this test
+    assert device.claim_device(1, 2) == torch.device("cpu")
     import os
 
     assert os.environ[VISIBLE_MODULES_ENV] == "0,1"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
-from vllm.config.vllm import get_cached_compilation_config
+from vllm.config import CompilationConfig
 from vllm.model_executor import custom_op
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -70,15 +70,14 @@ def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
 
 @pytest.fixture
 def vllm_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """vLLM's op registry and compilation config, restored afterwards; the
-    config enables the fused ops as the HPU platform does."""
+    """vLLM's op registry, restored afterwards, and the compilation config its
+    CustomOps read, with the fused ops enabled as the HPU platform does."""
     saved = dict(custom_op.op_registry_oot)
-    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["none"]))
+    config = SimpleNamespace(compilation_config=CompilationConfig(custom_ops=["none"]))
     _enable_fused_ops(config, "hpu")  # type: ignore[arg-type]
-    get_cached_compilation_config.cache_clear()
-    with set_current_vllm_config(config):
-        yield config.compilation_config.custom_ops
-    get_cached_compilation_config.cache_clear()
+    compilation = config.compilation_config
+    monkeypatch.setattr(custom_op, "get_cached_compilation_config", lambda: compilation)
+    yield compilation.custom_ops
     custom_op.op_registry_oot.clear()
     custom_op.op_registry_oot.update(saved)
 

@@ -13,10 +13,15 @@ PyTorch (summarised in docs/gaudi.md):
   no-op. ``FakeGaudiHost`` holds the cards, ``FakeTorchHpu`` is one process's
   ``torch.hpu``: its first device query takes a card, and a process that
   finds none free fails as the real runtime does.
-- No indexed devices. Code drives ``torch.device("hpu")``; vllm-gaudi's
-  worker makes ``torch.device("hpu")``, and indexed ``hpu:N`` devices were
-  removed from DeepSpeed (#5255, #7545) and optimum-habana (#637). The fake
-  ``set_device`` refuses ``hpu:N``.
+- No indexed devices. vllm-gaudi's worker makes ``torch.device("hpu")``;
+  optimum-habana dropped ``hpu:X`` "until fully supported by bridge" (#637);
+  DeepSpeed went back and forth (#5255, #7545; ``hpu:0`` in #7497). A process
+  drives one card, so only ``hpu`` / ``hpu:0`` name it: the fake
+  ``set_device`` refuses ``hpu:N`` for N > 0 (the plugin never needs an index).
+- Card per rank. vllm-gaudi #788 / #1047 and HabanaAI/vllm-fork #1198 / #1915
+  tie the module to the local rank through ``HABANA_VISIBLE_MODULES``: with the
+  first free card, the rank-to-module mapping follows process start order,
+  which breaks HCCL for world sizes above 4 on 8-card Gaudi2 nodes.
 - Lazy vs eager. ``habana_frameworks.torch.utils.internal.is_lazy()`` reports
   ``PT_HPU_LAZY_MODE`` as read when ``habana_frameworks.torch`` was imported
   (optimum-habana: "PT_HPU_LAZY_MODE=0 needs to be set before library is
@@ -149,7 +154,7 @@ class FakeTorchHpu:
 
     def set_device(self, device: torch.device | str | int) -> None:
         index = device if isinstance(device, int) else torch.device(device).index
-        if index is not None:
+        if index not in (None, 0):
             raise RuntimeError(
                 f"indexed HPU device {device!r}: a Habana process drives one card, "
                 f"chosen by {VISIBLE_MODULES_ENV}; use torch.device('hpu')"

@@ -120,6 +120,7 @@ def test_worker_device_is_unindexed_and_accepted(gaudi_process: GaudiProcess) ->
     HpuMMPlatform.set_device(dev)  # vLLM's call; no indexed set_device
     with pytest.raises(RuntimeError, match="indexed HPU device"):
         fake.hpu.set_device(torch.device("hpu", 1))
+    fake.hpu.set_device(torch.device("hpu", 0))  # names the process's card
 
 
 def test_ranks_take_their_listed_modules_in_any_start_order(

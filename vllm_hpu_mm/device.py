@@ -5,6 +5,12 @@ synchronisation, HPU's lazy-mode step marker, memory figures and seeding. The re
 of the package is device-free and runs unchanged on hpu, cuda and cpu, which is
 how CI without a Gaudi exercises the HPU code path.
 
+On Gaudi the process model is Habana's (see docs/gaudi.md): one card per
+process, chosen by ``HABANA_VISIBLE_MODULES`` when the process first touches the
+device; the device is the un-indexed ``torch.device("hpu")``; nothing here
+queries the card before the worker claims it (``claim_device``), so the
+API-server process never takes one.
+
 Device choice (``select_device``):
 
 1. ``VLLM_HPU_MM_DEVICE`` = ``hpu`` | ``cuda`` | ``cpu`` forces a device (an
@@ -21,12 +27,17 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+if TYPE_CHECKING:
+    from hpu_kernels.fused import RopeKernel, SdpaFn
+
 DeviceKind = Literal["hpu", "cuda", "cpu"]
 DEVICE_ENV = "VLLM_HPU_MM_DEVICE"
+# Habana's per-process card selection (module ids, comma-separated).
+VISIBLE_MODULES_ENV = "HABANA_VISIBLE_MODULES"
 _KINDS: tuple[DeviceKind, ...] = ("hpu", "cuda", "cpu")
 
 # Default KV-cache size on the CPU fallback when --kv-cache-memory-bytes is unset:
@@ -103,20 +114,87 @@ def device_kind() -> DeviceKind:
 
 
 def torch_device(local_rank: int = 0) -> torch.device:
-    """The torch device this worker computes on."""
+    """The torch device this worker computes on.
+
+    HPU: un-indexed ``hpu`` (a Habana process drives one card, picked by
+    ``HABANA_VISIBLE_MODULES``; indexed ``hpu:N`` devices are not how the stack is
+    driven). CUDA: ``cuda:<local_rank>``. CPU: ``cpu``.
+    """
     kind = device_kind()
     if kind == "cpu":
         return torch.device("cpu")
+    if kind == "hpu":
+        return torch.device("hpu")
     return torch.device(kind, local_rank)
 
 
 def set_device(device: torch.device) -> None:
-    kind = device_kind()
-    if kind == "cuda":
+    """CUDA: make ``device`` current. HPU: nothing to do (the card is chosen per
+    process by ``HABANA_VISIBLE_MODULES``, see ``select_card``)."""
+    if device_kind() == "cuda":
         torch.cuda.set_device(device)
-    elif kind == "hpu":
-        _habana()  # importing registers the hpu device with torch
-        torch.hpu.set_device(device)  # type: ignore[attr-defined]
+
+
+def select_card(local_index: int, local_ranks: int = 1) -> str | None:
+    """Narrow ``HABANA_VISIBLE_MODULES`` to this worker's module (HPU only).
+
+    vLLM's multiprocessing executor starts every worker of a node with the same
+    environment. When the operator lists several modules and the node runs
+    several workers (``local_ranks``), the worker with host-local index ``i``
+    (vLLM's ``ParallelConfig.get_local_gpu_index``: the local rank, offset by
+    the data-parallel engine) keeps the ``i``-th module, so the workers take
+    distinct, predictable cards (vLLM maps local index to physical id the same
+    way, ``Platform.device_id_to_physical_device_id``). Otherwise the
+    variable is kept: one listed module (Ray sets one per actor) is that card;
+    a single worker takes the first free listed card; unset leaves the choice to
+    Habana's runtime (the first free card). Must run before the process first
+    touches the device. Returns the module id this process will use, or None
+    when the runtime picks it.
+    """
+    if device_kind() != "hpu":
+        return None
+    listed = [m.strip() for m in os.environ.get(VISIBLE_MODULES_ENV, "").split(",")]
+    listed = [m for m in listed if m]
+    if len(listed) == 1:
+        return listed[0]
+    if not listed or local_ranks <= 1:
+        return None
+    if max(local_ranks, local_index + 1) > len(listed):
+        raise DeviceError(
+            f"{local_ranks} workers on this node (this one: local index "
+            f"{local_index}) but {VISIBLE_MODULES_ENV}={','.join(listed)} lists "
+            f"{len(listed)} module(s): list one module per local worker, or unset it"
+        )
+    os.environ[VISIBLE_MODULES_ENV] = listed[local_index]
+    return listed[local_index]
+
+
+def claim_device(local_index: int, local_ranks: int = 1) -> torch.device:
+    """The worker's device, with this worker's card selected first (HPU; see
+    ``select_card``).
+
+    In HPU lazy mode Dynamo is switched off for the process, as the official
+    Gaudi plugin does: vLLM's own ``@torch.compile`` helpers (sampler logprobs,
+    vocab-parallel embedding) then run eagerly instead of failing in a mode
+    that cannot compile.
+    """
+    card = select_card(local_index, local_ranks)
+    if device_kind() == "hpu":
+        lazy = is_lazy_mode()
+        if lazy:
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.disable = True
+        logger.info(
+            "vllm-hpu-mm: local worker %d of %d uses %s, %s mode",
+            local_index,
+            local_ranks,
+            f"module {card} ({VISIBLE_MODULES_ENV})"
+            if card is not None
+            else "the first free card",
+            "lazy (PT_HPU_LAZY_MODE=1, Dynamo off)" if lazy else "eager",
+        )
+    return torch_device(local_index)
 
 
 def device_count() -> int:
@@ -129,12 +207,13 @@ def device_count() -> int:
 
 
 def device_name(index: int = 0) -> str:
+    """CUDA: the card's name. HPU: the static name ``hpu``, as the official
+    Gaudi plugin returns (vLLM asks in the API-server process, which must not
+    touch the card). CPU: ``cpu``."""
     kind = device_kind()
     if kind == "cuda":
         return str(torch.cuda.get_device_name(index))
-    if kind == "hpu":
-        return str(torch.hpu.get_device_name(index))  # type: ignore[attr-defined]
-    return "cpu"
+    return kind
 
 
 def synchronize() -> None:
@@ -181,9 +260,8 @@ def memory_info() -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info()
         return int(free), int(total)
     if kind == "hpu":
-        stats = torch.hpu.memory_stats()  # type: ignore[attr-defined]
-        total = int(stats["Limit"])
-        return total - int(stats["InUse"]), total
+        free, total = torch.hpu.mem_get_info()  # type: ignore[attr-defined]
+        return int(free), int(total)
     return _host_memory()
 
 
@@ -198,6 +276,12 @@ def peak_memory_bytes() -> int:
 
 
 def total_memory(index: int = 0) -> int:
+    """Total device memory for vLLM's start-up defaults. HPU: 0 without a
+    query, as the official Gaudi plugin does (vLLM asks in the API-server
+    process; a query there would take the card). 0 sends vLLM to its
+    small-device defaults (``EngineArgs.get_batch_defaults``)."""
+    if device_kind() == "hpu":
+        return 0
     return memory_info()[1]
 
 
@@ -213,6 +297,56 @@ def dist_backend() -> str:
     return {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}[device_kind()]
 
 
+def is_lazy_mode() -> bool:
+    """HPU lazy mode (``PT_HPU_LAZY_MODE=1``), as the loaded Habana bridge reports
+    it; False on every other device. Lazy mode and torch.compile are mutually
+    exclusive."""
+    if device_kind() != "hpu":
+        return False
+    internal = importlib.import_module("habana_frameworks.torch.utils.internal")
+    return bool(internal.is_lazy())
+
+
+# --- fused Gaudi kernels (pure PyTorch everywhere else) -------------------------
+
+
+def sdpa_kernel() -> SdpaFn:
+    """Scaled dot-product attention for prefill-style attention
+    (``q [B, Hq, S, D]``, ``k``/``v`` ``[B, Hkv, K, D]``): Habana's FusedSDPA on
+    HPU, ``F.scaled_dot_product_attention`` elsewhere. Same call on both:
+    ``sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)``."""
+    from hpu_kernels.fused import fused_sdpa, sdpa_native
+
+    if device_kind() != "hpu":
+        return sdpa_native
+    kernels = importlib.import_module("habana_frameworks.torch.hpex.kernels")
+    return fused_sdpa(kernels.FusedSDPA)
+
+
+def rms_norm_kernel() -> Any | None:
+    """Habana's ``FusedRMSNorm`` on HPU (``.apply(x, weight, eps)``), else None
+    (the layer's PyTorch code runs)."""
+    if device_kind() != "hpu":
+        return None
+    norm = importlib.import_module("habana_frameworks.torch.hpex.normalization")
+    return norm.FusedRMSNorm
+
+
+def rope_kernel() -> RopeKernel | None:
+    """Habana's fused rotary embedding on HPU (``apply_rotary_pos_emb`` and its
+    ``RotaryPosEmbeddingMode``), else None (the layer's PyTorch code runs)."""
+    from hpu_kernels.fused import RopeKernel
+
+    if device_kind() != "hpu":
+        return None
+    kernels = importlib.import_module("habana_frameworks.torch.hpex.kernels")
+    return RopeKernel(
+        apply=kernels.apply_rotary_pos_emb,
+        blockwise=kernels.RotaryPosEmbeddingMode.BLOCKWISE,
+        pairwise=kernels.RotaryPosEmbeddingMode.PAIRWISE,
+    )
+
+
 # --- HF transformers as the benchmark's reference (vllm-hpu-mm bench --backend hf)
 
 
@@ -226,20 +360,27 @@ def prepare_hf_for_device() -> None:
 
 
 def hf_model_to_device(model: Any) -> Any:
-    """The HF model on this device: on Gaudi moved to ``hpu`` and wrapped in
-    HPU graphs; on CUDA moved to ``cuda``; unchanged on the CPU."""
+    """The HF model on this device: on Gaudi moved to ``hpu``, and wrapped in
+    HPU graphs in lazy mode only (HPU graphs need lazy mode); on CUDA moved to
+    ``cuda``; unchanged on the CPU."""
     kind = device_kind()
     if kind == "hpu":
+        model = model.to("hpu")
+        if not is_lazy_mode():
+            return model
         hpu = importlib.import_module("habana_frameworks.torch.hpu")
-        return hpu.wrap_in_hpu_graph(model.to("hpu"))
+        return hpu.wrap_in_hpu_graph(model)
     if kind == "cuda":
         return model.to("cuda")
     return model
 
 
 def hf_generate_kwargs() -> dict[str, Any]:
-    """Extra ``generate`` arguments of the Gaudi adaptation (lazy mode, HPU
-    graphs); none elsewhere."""
+    """Extra ``generate`` arguments of the Gaudi adaptation, matching the mode
+    the bridge runs in: lazy mode with HPU graphs, or eager without them
+    (optimum-habana refuses ``hpu_graphs`` without ``lazy_mode``); none
+    elsewhere."""
     if device_kind() == "hpu":
-        return {"lazy_mode": True, "hpu_graphs": True}
+        lazy = is_lazy_mode()
+        return {"lazy_mode": lazy, "hpu_graphs": lazy}
     return {}

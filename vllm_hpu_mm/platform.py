@@ -33,6 +33,8 @@ BASE_COMMUNICATOR_CLS = (
 
 class _HpuMMPlatformBase(Platform):
     _enum = PlatformEnum.OOT
+    # vLLM's own @torch.compile helpers (sampler logprobs, vocab-parallel
+    # embedding, CustomOp.maybe_compile) use this backend.
     simple_compile_backend = "inductor"
     supported_quantization: list[str] = []
 
@@ -41,6 +43,8 @@ class _HpuMMPlatformBase(Platform):
         return [torch.bfloat16, torch.float16, torch.float32]
 
     # ---- device facts (through the device module) ----------------------------
+    # vLLM calls both in the API-server process (EngineArgs.get_batch_defaults,
+    # dtype checks): on HPU they answer without touching the card.
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return device.device_name(device_id)
@@ -142,7 +146,11 @@ class HpuMMPlatform(_HpuMMPlatformBase):
     dispatch_key = "HPU"
     dist_backend = "hccl"
     ray_device_key = "HPU"
-    device_control_env_var = "HABANA_VISIBLE_MODULES"
+    # Habana's per-process card selection; device.select_card narrows it per
+    # local rank.
+    device_control_env_var = device.VISIBLE_MODULES_ENV
+    # Inductor cannot compile HPU tensors; Habana's Dynamo backend can.
+    simple_compile_backend = "hpu_backend"
 
 
 class CudaMMPlatform(_HpuMMPlatformBase):

@@ -35,6 +35,9 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
     _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt, TP
+    _check_lazy_mode(plugin_config, vllm_config, device_type)  # 10. HPU lazy mode
+    _set_worker_start_method(device_type)  # 11. HPU workers are spawned
+    _enable_fused_ops(vllm_config, device_type)  # 12. Gaudi's fused norm, RoPE
     logger.info(
         "vllm-hpu-mm config: device=%s block_size=%s max_num_seqs=%s "
         "max_num_batched_tokens=%s chunked_prefill=%s prefix_caching=%s plugin=%s",
@@ -160,6 +163,70 @@ def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
             "to change)",
             MLLAMA_DEFAULT_IMAGES_PER_PROMPT,
         )
+
+
+# ---- Gaudi process model (HPU only) ------------------------------------------------
+
+MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def _check_lazy_mode(
+    plugin_config: Any, vllm_config: VllmConfig, device_type: str
+) -> None:
+    """Refuse torch.compile under HPU lazy mode (``PT_HPU_LAZY_MODE=1``): Dynamo
+    and lazy mode are mutually exclusive. Lazy mode runs with
+    ``graph_mode: eager`` (or ``--enforce-eager``): ops are queued and each step
+    ends with ``mark_step``."""
+    from vllm_hpu_mm import device
+
+    if device_type != "hpu" or not device.is_lazy_mode():
+        return
+    mode = plugin_config.graph_mode
+    if mode == "auto":
+        enforce_eager = getattr(vllm_config.model_config, "enforce_eager", False)
+        mode = "eager" if enforce_eager else "compile"
+    if mode == "compile":
+        raise UnsupportedConfigError(
+            f"hpu_mm.graph_mode resolves to 'compile' (given "
+            f"{plugin_config.graph_mode!r}) but the Habana bridge runs in lazy mode "
+            "(PT_HPU_LAZY_MODE=1), where torch.compile is not supported. Start with "
+            "PT_HPU_LAZY_MODE=0 (eager mode, the image's default) to compile, or "
+            "keep lazy mode with --enforce-eager / hpu_mm.graph_mode='eager'."
+        )
+    logger.info("HPU lazy mode: the model runs eagerly, one mark_step per step")
+
+
+def _set_worker_start_method(device_type: str) -> None:
+    """Start HPU engine and worker processes with ``spawn``, as the official
+    Gaudi plugin does (fork "might cause application hangs on exit"); an
+    operator's explicit choice is kept, with a warning for ``fork``."""
+    import os
+
+    if device_type != "hpu":
+        return
+    given = os.environ.get(MULTIPROC_METHOD_ENV)
+    if given is None:
+        os.environ[MULTIPROC_METHOD_ENV] = "spawn"
+        logger.info("HPU: %s=spawn (fork can hang on exit)", MULTIPROC_METHOD_ENV)
+    elif given == "fork":
+        logger.warning(
+            "HPU: %s=fork was asked for and is kept, but fork can hang HPU "
+            "processes on exit; unset it to use spawn",
+            MULTIPROC_METHOD_ENV,
+        )
+
+
+def _enable_fused_ops(vllm_config: VllmConfig, device_type: str) -> None:
+    """Turn on the out-of-tree RMSNorm / RoPE ops (``vllm_hpu_mm.fused_ops``),
+    registered in the HPU worker."""
+    if device_type != "hpu":
+        return
+    from vllm_hpu_mm.fused_ops import FUSED_OP_NAMES
+
+    custom_ops = vllm_config.compilation_config.custom_ops
+    for name in FUSED_OP_NAMES:
+        if f"-{name}" not in custom_ops and f"+{name}" not in custom_ops:
+            custom_ops.append(f"+{name}")
 
 
 # ---- per-request checks (API-server side) ---------------------------------------

@@ -1,6 +1,6 @@
 """The HF backend's pieces without loading a model: batching, and the Gaudi
-adaptation in ``vllm_hpu_mm.device`` driven through recording fakes of
-optimum-habana and habana_frameworks."""
+adaptation in ``vllm_hpu_mm.device`` driven through the fake Gaudi stack
+(``tests.fakes.habana``) and a recording optimum-habana."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.habana import HABANA_NAMES, FakeHabana, check_gaudi_generate_kwargs
 from vllm_hpu_mm import device
 from vllm_hpu_mm.bench.datasets import BenchRequest
 from vllm_hpu_mm.bench.hf_backend import batches
 
-GAUDI_MODULES = (
-    "habana_frameworks",
-    "habana_frameworks.torch",
-    "habana_frameworks.torch.hpu",
+OPTIMUM_MODULES = (
     "optimum",
     "optimum.habana",
     "optimum.habana.transformers",
@@ -50,7 +48,7 @@ def test_batches_group_by_images_then_length() -> None:
 
 
 class Recorder:
-    """Fake modules' calls, in order."""
+    """Calls on the fake optimum-habana and the model, in order."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -70,47 +68,50 @@ class FakeModel:
 
 
 @pytest.fixture
-def gaudi(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
-    """A Gaudi host as far as ``device`` can tell: fake habana_frameworks and
-    optimum.habana modules that record what is called."""
+def gaudi(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Recorder, FakeHabana]]:
+    """A Gaudi host as far as ``device`` can tell: the fake habana_frameworks
+    (tests.fakes.habana) and an optimum.habana whose adaptation is recorded."""
     rec = Recorder()
-    mods = {name: types.ModuleType(name) for name in GAUDI_MODULES}
-    for name in GAUDI_MODULES[:-1]:
+    mods = {name: types.ModuleType(name) for name in OPTIMUM_MODULES}
+    for name in OPTIMUM_MODULES[:-1]:
         mods[name].__path__ = []  # packages
     utils = mods["optimum.habana.transformers.modeling_utils"]
     utils.adapt_transformers_to_gaudi = lambda: rec.calls.append(("adapt", None))  # type: ignore[attr-defined]
-
-    def wrap_in_hpu_graph(model: Any) -> Any:
-        rec.calls.append(("wrap_in_hpu_graph", model.device))
-        return ("graphed", model)
-
-    mods["habana_frameworks.torch.hpu"].wrap_in_hpu_graph = wrap_in_hpu_graph  # type: ignore[attr-defined]
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setenv(device.DEVICE_ENV, "hpu")
+    fake = FakeHabana().install(monkeypatch)
     device.select_device.cache_clear()
-    yield rec
+    yield rec, fake
     device.select_device.cache_clear()
+    fake.uninstall()
 
 
 @pytest.fixture
 def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(device.DEVICE_ENV, "cpu")
-    for name in GAUDI_MODULES:
+    for name in (*HABANA_NAMES, *OPTIMUM_MODULES):
         monkeypatch.setitem(sys.modules, name, None)  # any import would fail
     device.select_device.cache_clear()
     yield
     device.select_device.cache_clear()
 
 
-def test_gaudi_adapts_transformers_and_wraps_the_model(gaudi: Recorder) -> None:
+def test_gaudi_adapts_transformers_and_moves_the_model(
+    gaudi: tuple[Recorder, FakeHabana],
+) -> None:
+    rec, fake = gaudi
     device.prepare_hf_for_device()
-    assert gaudi.calls == [("adapt", None)]
-    model = FakeModel(gaudi)
-    wrapped = device.hf_model_to_device(model)
-    assert wrapped == ("graphed", model)
-    assert gaudi.calls[1:] == [("to", "hpu"), ("wrap_in_hpu_graph", "hpu")]
-    assert device.hf_generate_kwargs() == {"lazy_mode": True, "hpu_graphs": True}
+    assert rec.calls == [("adapt", None)]
+    model = FakeModel(rec)
+    assert device.hf_model_to_device(model) is model
+    assert rec.calls[1:] == [("to", "hpu")]
+    # Eager bridge (PT_HPU_LAZY_MODE unset): no HPU graphs, which optimum-habana
+    # accepts only with lazy mode (graphs in lazy mode: test_gaudi_process.py).
+    kwargs = device.hf_generate_kwargs()
+    assert kwargs == {"lazy_mode": False, "hpu_graphs": False}
+    check_gaudi_generate_kwargs(kwargs)
+    assert fake.calls == []
 
 
 def test_cpu_leaves_transformers_and_model_alone(cpu: None) -> None:

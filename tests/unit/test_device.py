@@ -1,105 +1,33 @@
 """Device selection and the device-specific helpers of ``vllm_hpu_mm.device``.
 
-No Gaudi is needed: a fake ``habana_frameworks`` is served by a small recording
-import finder, and ``torch.hpu`` is a small recording object. The tests assert on
-what was imported and called.
+No Gaudi is needed: ``tests.fakes.habana`` serves a fake ``habana_frameworks``
+and ``torch.hpu`` that behave as the real stack does (one card per process,
+taken on first touch; no indexed devices). The Gaudi process model itself is
+tested in ``test_gaudi_process.py``.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import re
 import shutil
 import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import vllm_hpu_mm
+from tests.fakes.habana import HABANA_NAMES, FakeGaudiHost, FakeHabana, FakeTorchHpu
 from vllm_hpu_mm import device
 from vllm_hpu_mm.device import DEVICE_ENV, DeviceError, select_device
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HABANA = "habana_frameworks"
 HABANA_TORCH = "habana_frameworks.torch"
 HABANA_CORE = "habana_frameworks.torch.core"
-HABANA_NAMES = (HABANA, HABANA_TORCH, HABANA_CORE)
 PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-# ---- fakes ---------------------------------------------------------------------
-
-
-class FakeHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves fake ``habana_frameworks`` modules and records every import of them.
-
-    The modules are real ``types.ModuleType`` objects; ``core.mark_step`` appends
-    to ``calls``.
-    """
-
-    def __init__(self) -> None:
-        self.imports: list[str] = []
-        self.calls: list[str] = []
-        self.modules: dict[str, types.ModuleType] = {
-            name: types.ModuleType(name) for name in HABANA_NAMES
-        }
-        self.modules[HABANA].__path__ = []
-        self.modules[HABANA_TORCH].__path__ = []
-        self.modules[HABANA_CORE].mark_step = self._mark_step  # type: ignore[attr-defined]
-
-    def _mark_step(self) -> None:
-        self.calls.append("mark_step")
-
-    # importlib protocol
-    def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.modules:
-            return None
-        return importlib.util.spec_from_loader(
-            fullname, self, is_package=fullname != HABANA_CORE
-        )
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return self.modules[spec.name]
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self.imports.append(module.__name__)
-
-
-class FakeTorchHpu:
-    """Stands in for ``torch.hpu`` (which habana_frameworks adds); records calls."""
-
-    def __init__(self, limit: int = 96 * 1024**3, in_use: int = 10 * 1024**3) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.limit = limit
-        self.in_use = in_use
-
-    def memory_stats(self) -> dict[str, int]:
-        self.calls.append(("memory_stats", ()))
-        return {"Limit": self.limit, "InUse": self.in_use, "MaxInUse": self.in_use}
-
-    def synchronize(self) -> None:
-        self.calls.append(("synchronize", ()))
-
-    def manual_seed_all(self, seed: int) -> None:
-        self.calls.append(("manual_seed_all", (seed,)))
-
-    def device_count(self) -> int:
-        self.calls.append(("device_count", ()))
-        return 8
-
-    def get_device_name(self, index: int = 0) -> str:
-        self.calls.append(("get_device_name", (index,)))
-        return "GAUDI2"
 
 
 # ---- fixtures ------------------------------------------------------------------
@@ -120,21 +48,17 @@ def _fresh_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
-    """A host where ``habana_frameworks.torch`` imports (the fake one)."""
-    fake = FakeHabana()
-    for name in HABANA_NAMES:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(sys, "meta_path", [fake, *sys.meta_path])
+    """A Gaudi host where ``habana_frameworks.torch`` imports (the fake one)."""
+    monkeypatch.delenv("HABANA_VISIBLE_MODULES", raising=False)
+    fake = FakeHabana().install(monkeypatch)
     yield fake
-    # Imports put the fake modules in sys.modules; take them out again (the
-    # autouse fixture's monkeypatch then restores what was there before).
-    for name in HABANA_NAMES:
-        sys.modules.pop(name, None)
+    fake.uninstall()
 
 
 @pytest.fixture
 def torch_hpu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchHpu:
-    fake = FakeTorchHpu(limit=1000, in_use=300)
+    """A ``torch.hpu`` on torch, whatever the host (to see that it stays unused)."""
+    fake = FakeGaudiHost().process("test")
     monkeypatch.setattr(torch, "hpu", fake, raising=False)
     return fake
 
@@ -273,8 +197,10 @@ def test_mark_step_on_plain_cpu_host_does_nothing() -> None:
 
 
 def test_facts_on_hpu(habana: FakeHabana) -> None:
-    assert device.torch_device() == torch.device("hpu", 0)
-    assert device.torch_device(3) == torch.device("hpu", 3)
+    # Un-indexed on every rank: the card is chosen per process.
+    assert device.torch_device() == torch.device("hpu")
+    assert device.torch_device(3) == torch.device("hpu")
+    assert device.torch_device(3).index is None
     assert device.dist_backend() == "hccl"
     assert HABANA_CORE not in habana.imports
     assert device.compile_backend() == "hpu_backend"
@@ -300,19 +226,16 @@ def test_facts_on_cpu() -> None:
     assert device.peak_memory_bytes() == 0
 
 
-def test_hpu_helpers_go_to_torch_hpu(
-    habana: FakeHabana, torch_hpu: FakeTorchHpu
-) -> None:
+def test_hpu_helpers_go_to_torch_hpu(habana: FakeHabana) -> None:
+    # Static facts first: they must not touch the card.
+    assert device.device_name(2) == "hpu"
+    assert device.total_memory() == 0
+    assert habana.hpu.calls == [] and habana.hpu.card is None
     device.synchronize()
     device.manual_seed_all(7)
-    assert device.device_count() == 8
-    assert device.device_name(2) == "GAUDI2"
-    assert torch_hpu.calls == [
-        ("synchronize", ()),
-        ("manual_seed_all", (7,)),
-        ("device_count", ()),
-        ("get_device_name", (2,)),
-    ]
+    assert device.device_count() == 1
+    assert habana.hpu.calls == ["synchronize", "manual_seed_all", "device_count"]
+    assert habana.hpu.card == 0  # taken by the first touch
 
 
 def test_cpu_helpers_leave_torch_hpu_alone(torch_hpu: FakeTorchHpu) -> None:
@@ -335,12 +258,10 @@ def test_memory_info_on_cpu_is_sane() -> None:
     assert device.total_memory() == total
 
 
-def test_memory_info_on_hpu_reads_memory_stats(
-    habana: FakeHabana, torch_hpu: FakeTorchHpu
-) -> None:
-    assert device.memory_info() == (700, 1000)  # (Limit - InUse, Limit)
-    assert torch_hpu.calls == [("memory_stats", ())]
-    assert device.total_memory() == 1000
+def test_memory_info_on_hpu_reads_mem_get_info(habana: FakeHabana) -> None:
+    habana.hpu.host.memory, habana.hpu.in_use = 1000, 300
+    assert device.memory_info() == (700, 1000)  # torch.hpu.mem_get_info()
+    assert habana.hpu.calls == ["mem_get_info"]
 
 
 # ---- register() ----------------------------------------------------------------

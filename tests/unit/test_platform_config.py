@@ -49,11 +49,19 @@ def make_config(**overrides: Any) -> SimpleNamespace:
             cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
             cudagraph_capture_sizes=[1, 2, 4],
             max_cudagraph_capture_size=4,
+            custom_ops=["none"],
         ),
     )
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+@pytest.fixture(autouse=True)
+def _keep_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HPU steps set VLLM_WORKER_MULTIPROC_METHOD: undo it after each test."""
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "x")
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
 
 
 # ---- update_vllm_config ---------------------------------------------------------
@@ -71,6 +79,9 @@ def test_update_sets_defaults(device_type: str, block: int) -> None:
     assert cc.cudagraph_mode == CUDAGraphMode.NONE
     assert cc.cudagraph_capture_sizes == []
     assert cc.max_cudagraph_capture_size == 0
+    fused = ["+RMSNorm", "+RotaryEmbedding", "+Llama3RotaryEmbedding"]
+    expected_ops = ["none", *fused] if device_type == "hpu" else ["none"]
+    assert cc.custom_ops == expected_ops
 
 
 def test_default_block_sizes() -> None:

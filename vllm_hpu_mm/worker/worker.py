@@ -45,9 +45,18 @@ class HpuMMWorker(WorkerBase):
     # ---- life cycle ---------------------------------------------------------------
     def init_device(self) -> None:
         apply_patches()
-        self.device = dev.torch_device(self.local_rank)
-        dev.set_device(self.device)
+        # HPU: this worker's card via HABANA_VISIBLE_MODULES, before anything
+        # touches the device; the device is un-indexed "hpu".
         pc = self.parallel_config
+        self.device = dev.claim_device(
+            pc.get_local_gpu_index(self.local_rank),
+            pc.local_world_size * max(pc.data_parallel_size_local, 1),
+        )
+        dev.set_device(self.device)
+        if dev.device_kind() == "hpu":
+            from vllm_hpu_mm.fused_ops import register_fused_ops
+
+            register_fused_ops()  # before the model's layers are built
         init_distributed_environment(
             pc.world_size,
             self.rank,

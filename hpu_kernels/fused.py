@@ -1,0 +1,197 @@
+"""Adapters from the plugin's kernel calls to Gaudi's fused kernels.
+
+Each adapter takes the fused kernel as an argument (``vllm_hpu_mm.device``
+imports it on HPU and hands it over), so this module is device-free and its
+arithmetic is tested on the CPU against the pure-PyTorch ops through fakes with
+the real signatures.
+
+- ``sdpa_native`` / ``fused_sdpa(FusedSDPA)``: one attention call,
+  ``sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)``, on
+  ``q [B, Hq, S, D]`` and ``k``/``v`` ``[B, Hkv, K, D]`` -> ``[B, Hq, S, D]``.
+- ``fused_rms_norm(FusedRMSNorm, ...)``: vLLM's RMSNorm (with the fused
+  residual add) through ``FusedRMSNorm.apply(x, weight, eps)``.
+- ``fused_rope(RopeKernel, ...)``: vLLM's rotary embedding (neox and GPT-J
+  styles, partial rotary dims) through ``apply_rotary_pos_emb``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa) -> out [B, Hq, S, D]
+SdpaFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        bool,
+        float | None,
+        bool,
+    ],
+    torch.Tensor,
+]
+
+# FusedSDPA arguments as the official Gaudi plugin passes them for prefill:
+# "fast" softmax (bf16 accumulate where it is safe), recompute on, no
+# valid-length shortcut, right padding.
+FSDPA_SOFTMAX_MODE = "fast"
+FSDPA_RECOMPUTE = True
+FSDPA_PADDING_SIDE = "right"
+
+
+def sdpa_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """PyTorch's SDPA (boolean mask: True = attend; or an additive float mask)."""
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive bias FusedSDPA takes: 0
+    where attended, the dtype's lowest finite value elsewhere (finite, so a
+    padding row that sees nothing stays finite instead of NaN)."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def fused_sdpa(kernel: Any) -> SdpaFn:
+    """``sdpa`` through Habana's ``FusedSDPA`` (``kernel``), called as
+    ``kernel.apply(q, k, v, attn_mask, dropout_p, is_causal, scale, softmax_mode,
+    recompute_mode, valid_sequence_lengths, padding_side)``.
+
+    The contract is ``sdpa_native``'s: a mask and ``is_causal`` together, or
+    fewer query than key heads without ``enable_gqa``, are errors; FusedSDPA
+    reads grouped K/V heads natively (no repeat).
+    """
+
+    def sdpa(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
+        if attn_mask is not None and is_causal:
+            raise ValueError("sdpa: pass either attn_mask or is_causal, not both")
+        if q.shape[1] != k.shape[1] and not enable_gqa:
+            raise ValueError(
+                f"sdpa: {q.shape[1]} query heads but {k.shape[1]} key heads "
+                "needs enable_gqa=True"
+            )
+        bias = None if attn_mask is None else additive_mask(attn_mask, q.dtype)
+        return kernel.apply(
+            q,
+            k,
+            v,
+            bias,
+            0.0,  # dropout_p
+            is_causal,
+            scale,
+            FSDPA_SOFTMAX_MODE,
+            FSDPA_RECOMPUTE,
+            None,  # valid_sequence_lengths
+            FSDPA_PADDING_SIDE,
+        )
+
+    return sdpa
+
+
+def fused_rms_norm(
+    kernel: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``RMSNorm.forward`` through ``FusedRMSNorm.apply(x, weight, eps)``.
+
+    ``x [..., H]``; with ``residual`` (same shape) returns
+    ``(norm(x + residual), x + residual)``, as vLLM's fused add does. The kernel
+    takes 3-D input, so the rows are viewed as ``[1, T, H]``.
+    """
+    if residual is not None:
+        residual = x + residual
+        x = residual
+    shape = x.shape
+    out = kernel.apply(x.reshape(1, -1, shape[-1]), weight, eps).reshape(shape)
+    return out if residual is None else (out, residual)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeKernel:
+    """Habana's fused rotary embedding: ``apply(x, cos, sin, position_ids,
+    offset, mode)`` and its two modes (blockwise = neox halves, pairwise =
+    GPT-J interleaved pairs)."""
+
+    apply: Callable[..., torch.Tensor]
+    blockwise: Any
+    pairwise: Any
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox_style: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cos and sin, widened to the rotary dim as the fused kernel
+    needs: ``[T, 1, rotary_dim]`` each (``cos_sin_cache [P, rotary_dim]`` holds
+    cos then sin, ``rotary_dim / 2`` each)."""
+    cos_sin = cos_sin_cache.index_select(0, positions.flatten())
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2]
+    if is_neox_style:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    else:
+        cos = torch.repeat_interleave(cos, 2, dim=-1)
+        sin = torch.repeat_interleave(sin, 2, dim=-1)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def fused_rope(
+    kernel: RopeKernel,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    head_size: int,
+    rotary_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """vLLM's ``RotaryEmbedding.forward_static`` through the fused kernel.
+
+    ``positions [T]``, ``query [T, Hq * head_size]``, ``key [T, Hkv * head_size]``
+    (or None); the first ``rotary_dim`` channels of each head rotate.
+    """
+    cos, sin = rope_cos_sin(positions, cos_sin_cache, is_neox_style)
+    mode = kernel.blockwise if is_neox_style else kernel.pairwise
+    tokens = positions.numel()
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(tokens, -1, head_size)  # [T, H, head_size]
+        if rotary_dim == head_size:
+            return kernel.apply(heads, cos, sin, None, 0, mode).reshape(x.shape)
+        rot = kernel.apply(heads[..., :rotary_dim], cos, sin, None, 0, mode)
+        return torch.cat((rot, heads[..., rotary_dim:]), dim=-1).reshape(x.shape)
+
+    return rotate(query), None if key is None else rotate(key)

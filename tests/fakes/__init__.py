@@ -1,0 +1,1 @@
+"""Fakes of external stacks that behave as the real ones do (see each docstring)."""

@@ -31,10 +31,12 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
+    Strict,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -334,7 +336,11 @@ def _read_yaml(key: str, value: str, path: Path, origins: _Origins) -> Any:
 # -- the configuration tree ----------------------------------------------------------
 
 _Positive = Annotated[int, Field(ge=1)]
-_Buckets = Annotated[tuple[_Positive, ...], Field(min_length=1)]
+_Buckets = Annotated[  # a YAML list of positive ints, kept sorted and unique
+    tuple[Annotated[int, Strict(), Field(ge=1)], ...],
+    Field(min_length=1, strict=False),
+    AfterValidator(lambda items: tuple(sorted(set(items)))),
+]
 
 
 class ExplicitBuckets(_Section):
@@ -351,16 +357,6 @@ class ExplicitBuckets(_Section):
     """Decode buckets: number of sequences in one decode step."""
     blocks: _Buckets
     """KV-cache block counts, used by both prefill and decode buckets."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _lists_are_tuples(cls, value: Any) -> Any:
-        return tuple(value) if isinstance(value, list) else value
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _sorted_unique(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(sorted(set(value)))
 
 
 class BucketingConfig(_Section):

@@ -167,7 +167,8 @@ def bounds(info: KeyInfo) -> str:
     metadata = list(info.field.metadata)
     if typing.get_origin(info.field.annotation) is tuple:
         item = typing.get_args(info.field.annotation)[0]
-        metadata += [m for a in getattr(item, "__metadata__", ()) for m in a.metadata]
+        for a in getattr(item, "__metadata__", ()):
+            metadata += getattr(a, "metadata", [a])
     low = next((m.ge for m in metadata if hasattr(m, "ge")), None)
     high = next((m.le for m in metadata if hasattr(m, "le")), None)
     if low is not None and high is not None:

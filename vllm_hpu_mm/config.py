@@ -189,7 +189,8 @@ def _problem(err: Any, info: Any) -> str:
     allowed = _EXPECTED.get(kind, err["msg"])
     if info is not None and not info.is_required() and info.default is None:
         allowed += " or null"
-    why = " (true/false is not a number)" if isinstance(value, bool) else ""
+    number = kind in ("int_type", "int_from_float", "float_type")
+    why = " (true/false is not a number)" if number and isinstance(value, bool) else ""
     return f"must be {allowed}{why}"
 
 

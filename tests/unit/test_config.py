@@ -312,6 +312,7 @@ def test_wrong_types(hpu_mm: dict[str, Any], key: str, allowed: str) -> None:
 
 def test_bool_is_not_a_number_explained() -> None:
     assert "true/false is not a number" in error_of(mm_max_image_pixels=False)
+    assert "not a number" not in error_of(bucketing={"file": True})  # a string
 
 
 def test_section_must_be_a_mapping() -> None:

@@ -12,6 +12,9 @@
 #   HF_CHECK=auto|on|off                  compare with HF transformers (auto: when
 #                                         the weights are at most 2 GiB)
 #   GRAPH_MODE=eager                      no graphs (the warmup line says it skipped)
+#   MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS engine limits (tiny models: 256 and 64, so
+#                                         few buckets; other checkpoints: up to 4096
+#                                         (the model's positions) and 1024)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +31,18 @@ LOG=$(mktemp -t vllm-demo.XXXXXX.log)
 SERVER_PID=
 
 [ -f "$MODEL/config.json" ] || { echo "demo: $MODEL missing; run 'make models'" >&2; exit 1; }
+# Small limits keep a tiny model's bucket set small (token buckets 1, 2, 32, 64;
+# batch 1, 2), so its warmup compiles every graph within a minute on a CPU; a real
+# checkpoint needs room for its chat template and image tokens.
+if [ -f "$MODEL/tiny_model_build.json" ]; then
+    MAX_MODEL_LEN=${MAX_MODEL_LEN:-256} MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-64}
+else  # at most 4096, and never more than the model's own positions
+    MAX_MODEL_LEN=${MAX_MODEL_LEN:-$("$PY" -c 'import json, sys
+c = json.load(open(sys.argv[1] + "/config.json"))
+n = [d.get("max_position_embeddings") for d in (c, c.get("text_config") or {})]
+print(min([4096] + [int(x) for x in n if x]))' "$MODEL")}
+    MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-1024}
+fi
 
 stop_server() {
     if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
@@ -44,12 +59,11 @@ stop_server() {
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 
-# Small limits keep the bucket set small (token buckets 1, 2, 32, 64; batch 1, 2),
-# so the warmup compiles every graph in about a minute on a CPU.
 echo "demo: starting vllm serve $MODEL on http://$HOST:$PORT, graph mode $GRAPH_MODE (log: $LOG)"
 "$VLLM" serve "$MODEL" \
     --host "$HOST" --port "$PORT" \
-    --dtype "$DTYPE" --max-model-len 256 --max-num-seqs 2 --max-num-batched-tokens 64 \
+    --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 2 \
+    --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
     --limit-mm-per-prompt '{"image": 1}' \
     --additional-config "{\"hpu_mm\": {\"graph_mode\": \"$GRAPH_MODE\", \"warmup\": {\"progress_bar\": false}}}" \
     >"$LOG" 2>&1 &

@@ -1,6 +1,7 @@
 # The two commands of the README:
-#   make demo   builds the tiny models, serves the tiny Mllama with `vllm serve`
-#               and sends a chat request with an image
+#   make demo   builds the tiny models, serves the tiny Mllama with `vllm serve`,
+#               sends a chat request with an image and prints what it proved
+#               (MODEL=..., HF_CHECK=auto|on|off, GRAPH_MODE=...: scripts/demo.sh)
 #   make test   lint + unit + e2e tests
 # Both bootstrap .venv on first use.
 SHELL := /bin/bash

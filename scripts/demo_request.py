@@ -1,51 +1,242 @@
-"""Print the demo's chat request as JSON (stdout), and a short form of it (stderr).
+"""Send the demo's chat request to a running server and print what the run proved.
 
 For a model with an image processor, the message carries a 64x32 picture (sky
 over sea, drawn with Pillow, sent inline as a PNG data URL); otherwise text only.
-Usage: demo_request.py MODEL_DIR
+After the answer it prints four checks, each with where its evidence comes from:
+
+1. the greedy tokens equal HF transformers' for the same prompt ids (and image),
+   run here through the benchmark's HF backend (``vllm_hpu_mm.bench.hf_backend``);
+2. the warmup line of the server log;
+3. graph compilations while serving: ``vllm_hpu_mm:graph_compiles_total
+   {phase="serving"}`` on /metrics, which must be 0;
+4. encoder runs for the image: the rise of ``vllm_hpu_mm:encoder_runs_total``
+   over the request, which must be 1 (0 for a text-only model).
+
+A model built by ``vllm_hpu_mm.tools`` (it carries ``tiny_model_build.json``) has
+random weights: its answer is noise by design, and the demo says so.
+
+Usage: demo_request.py MODEL_DIR --url http://HOST:PORT --log SERVER_LOG
+       [--hf-check auto|on|off]   (auto: compare with HF when the weights are
+       at most --hf-max-gib, default 2)
+Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import json
+import re
 import sys
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+MAX_TOKENS = 32
+STAMP_FILE = "tiny_model_build.json"  # written by vllm_hpu_mm.tools' builders
+SERVING_COMPILES = 'vllm_hpu_mm:graph_compiles_total{phase="serving"}'
+WARMUP_COMPILES = 'vllm_hpu_mm:graph_compiles_total{phase="warmup"}'
+ENCODER_RUNS = "vllm_hpu_mm:encoder_runs_total"
 
 
-def picture_url() -> str:
+def picture() -> Any:
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (64, 32), (40, 90, 200))
     ImageDraw.Draw(image).rectangle([0, 0, 63, 12], fill=(150, 200, 255))
+    return image
+
+
+def data_url(image: Any) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def main(model: str) -> None:
-    if (Path(model) / "processor_config.json").is_file():
+def has_images(model: str) -> bool:
+    return (Path(model) / "processor_config.json").is_file()
+
+
+def build_request(model: str) -> dict[str, Any]:
+    if has_images(model):
         content: object = [
-            {"type": "image_url", "image_url": {"url": picture_url()}},
+            {"type": "image_url", "image_url": {"url": data_url(picture())}},
             {"type": "text", "text": "What is in this picture?"},
         ]
     else:
         content = "Hello! Write one sentence about the sea."
-    request = {
+    return {
         "model": model,
         "messages": [{"role": "user", "content": content}],
-        "max_tokens": 32,
+        "max_tokens": MAX_TOKENS,
         "temperature": 0,
+        "ignore_eos": True,  # HF generates exactly MAX_TOKENS too
+        "return_token_ids": True,  # the prompt ids HF is given
     }
-    print(json.dumps(request))
-    shown = json.dumps(request, indent=2)
-    if isinstance(content, list):
-        shown = shown.replace(
-            content[0]["image_url"]["url"], "data:image/png;base64,..."
+
+
+# -- the server --------------------------------------------------------------------
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        result: dict[str, Any] = json.load(reply)
+        return result
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's /metrics samples, ``name{labels}`` -> value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def warmup_line(log: Path) -> str | None:
+    text = log.read_text(encoding="utf-8", errors="replace")
+    found = re.findall(r"(Warmup (?:finished|skipped)[^\n]*)", text)
+    return found[-1].strip() if found else None
+
+
+# -- HF transformers, the reference ---------------------------------------------------
+
+
+def weights_gib(model: str) -> float:
+    files = [*Path(model).glob("*.safetensors"), *Path(model).glob("*.bin")]
+    return sum(f.stat().st_size for f in files) / 2**30
+
+
+def hf_greedy(model: str, prompt_ids: list[int], image: Any | None) -> list[int]:
+    """HF's greedy continuation of ``prompt_ids`` (with ``image``), in float32,
+    MAX_TOKENS long: prompt ids as the server tokenized them, the image's tensors
+    from the model's own image processor."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from vllm_hpu_mm.bench.hf_backend import HfRunner
+
+    hf_logging.disable_progress_bar()
+    runner = HfRunner(model, dtype="float32")
+    inputs: dict[str, Any] = {
+        "input_ids": torch.tensor([prompt_ids]),
+        "attention_mask": torch.ones(1, len(prompt_ids), dtype=torch.long),
+    }
+    if image is not None:
+        assert runner.processor is not None
+        images = [[image]] if runner.mllama else [image]  # Mllama: a list per prompt
+        pix = dict(runner.processor.image_processor(images=images, return_tensors="pt"))
+        if runner.mllama:  # the cross-attention mask, as MllamaProcessor makes it
+            inputs.update(_mllama_cross_mask(runner, prompt_ids, pix.pop("num_tiles")))
+        inputs.update(pix)
+    inputs = {k: v.to(runner.device) for k, v in inputs.items()}
+    return runner.generate(inputs, MAX_TOKENS)[1][0]
+
+
+def _mllama_cross_mask(runner: Any, ids: list[int], num_tiles: Any) -> dict[str, Any]:
+    import torch
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    mask = convert_sparse_cross_attention_mask_to_dense(
+        [get_cross_attention_token_mask(ids, runner.image_id)],
+        num_tiles=num_tiles,
+        max_num_tiles=runner.processor.image_processor.max_image_tiles,
+        length=len(ids),
+    )
+    return {"cross_attention_mask": torch.as_tensor(mask)}
+
+
+# -- the report ----------------------------------------------------------------------
+
+
+def check(ok: bool | None, text: str) -> bool:
+    mark = {True: "ok  ", False: "FAIL", None: "skip"}[ok]
+    print(f"  [{mark}] {text}")
+    return ok is not False
+
+
+def hf_check(args: argparse.Namespace, ids: list[int], got: list[int]) -> bool:
+    size = weights_gib(args.model)
+    if args.hf_check == "off" or (args.hf_check == "auto" and size > args.hf_max_gib):
+        why = "--hf-check off" if args.hf_check == "off" else f"{size:.1f} GiB weights"
+        return check(None, f"HF transformers comparison skipped ({why}; HF_CHECK=on)")
+    image = picture() if has_images(args.model) else None
+    want = hf_greedy(args.model, ids, image)
+    same = next(
+        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None
+    )
+    if got == want:
+        what = f"{len(ids)} prompt ids" + (" and image" if image is not None else "")
+        return check(
+            True,
+            f"greedy tokens equal HF transformers' for the same {what} "
+            f"({len(got)} of {len(want)} tokens, float32)",
         )
-    print(shown, file=sys.stderr)
+    return check(
+        False,
+        f"tokens differ from HF's from token {same}:\n  vllm {got}\n  hf   {want}",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="the model directory the server serves")
+    parser.add_argument("--url", required=True, help="the server, http://HOST:PORT")
+    parser.add_argument("--log", type=Path, required=True, help="the server's log")
+    parser.add_argument("--hf-check", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--hf-max-gib", type=float, default=2.0)
+    args = parser.parse_args(argv)
+
+    tiny = (Path(args.model) / STAMP_FILE).is_file()
+    if tiny:
+        print(
+            f"demo: {args.model} is a tiny test model with RANDOM weights: its answer "
+            "is noise by design. What the run proves is listed after it."
+        )
+    request = build_request(args.model)
+    shown = json.dumps(request)
+    if has_images(args.model):
+        shown = re.sub(
+            r"data:image/png;base64,[^\"]+", "data:image/png;base64,...", shown
+        )
+    print(f"demo: POST /v1/chat/completions {shown}")
+    before = metrics(args.url)
+    reply = post(args.url, request)
+    after = metrics(args.url)
+    choice = reply["choices"][0]
+    prompt_ids, got = list(reply["prompt_token_ids"]), list(choice["token_ids"])
+    print(f"demo: answer ({len(got)} tokens): {choice['message']['content']!r}")
+    print(f"demo: answer token ids: {got}")
+
+    print("demo: what this run proved")
+    ok = hf_check(args, prompt_ids, got)
+    line = warmup_line(args.log)
+    ok &= check(line is not None, f"server log: {line or 'no warmup line found'}")
+    serving = after.get(SERVING_COMPILES, 0.0)
+    ok &= check(
+        serving == 0,
+        f"graph compilations while serving: {serving:g} "
+        f"({WARMUP_COMPILES.split('{')[0]}: {after.get(WARMUP_COMPILES, 0.0):g} at "
+        f"warmup, {serving:g} serving)",
+    )
+    runs = after.get(ENCODER_RUNS, 0.0) - before.get(ENCODER_RUNS, 0.0)
+    want_runs = 1 if has_images(args.model) else 0
+    what = "for the image" if want_runs else "(text-only request)"
+    ok &= check(runs == want_runs, f"encoder runs {what}: {runs:g} ({ENCODER_RUNS})")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main())

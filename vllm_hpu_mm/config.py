@@ -6,33 +6,43 @@ Users set them through vLLM's ``--additional-config`` under the key ``hpu_mm``::
         '{"hpu_mm": {"graph_mode": "eager", "warmup": {"skip": true}}}'
 
 and optionally from a YAML file named by ``hpu_mm.config_file``; keys given
-inline override the file's. ``docs/configuration.md`` lists every key.
+inline override the file's. ``docs/configuration.md`` lists every key; it is
+generated from the models below (``python -m vllm_hpu_mm.tools.gen_config_docs``).
 
-The classes check themselves in ``__post_init__`` (types, ranges, cross-field
-rules), so any instance that exists is valid, whoever built it. The parser is
-written once and walks ``dataclasses.fields`` and the type hints; adding a key
-means adding a field (with ``doc`` and, where it applies, ``min`` metadata).
+The tree is frozen pydantic models in strict mode: pydantic checks types and
+ranges, this module turns its errors into one ``ConfigError`` that names the
+dotted key, the value, where the value came from and what is allowed. Adding a
+key means adding a field with a ``description``.
 
-This module imports nothing from vLLM or torch: it is plain Python and PyYAML.
+This module imports nothing from vLLM or torch: it is plain Python, pydantic
+and PyYAML.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import difflib
 import logging
-import math
 import re
-import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 __all__ = [
     "CONFIGS_DIR",
@@ -42,6 +52,7 @@ __all__ = [
     "ExplicitBuckets",
     "HpuMMConfig",
     "KeyInfo",
+    "MemoryConfig",
     "WarmupConfig",
     "describe_keys",
     "load_explicit_buckets",
@@ -65,9 +76,7 @@ class ConfigError(ValueError):
         self.key = key
 
 
-# --------------------------------------------------------------------------
-# Where each key's value came from (for error messages and relative paths)
-# --------------------------------------------------------------------------
+# -- where each key's value came from (messages, relative paths) ---------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,34 +89,22 @@ class _Origin:
 class _Origins:
     """Dotted key -> origin, for one parse; keys nobody set are defaults."""
 
-    by_key: Mapping[str, _Origin]
-    fallback: _Origin
+    by_key: Mapping[str, _Origin] = field(default_factory=dict)
+    fallback: _Origin = _Origin("set in Python code")
 
     def of(self, key: str) -> _Origin:
         return self.by_key.get(key, self.fallback)
 
 
-_PYTHON = _Origins({}, _Origin("set in Python code"))
-_CURRENT: contextvars.ContextVar[_Origins] = contextvars.ContextVar(
-    "vllm_hpu_mm_config_origins", default=_PYTHON
-)
+def _origins_of(info: ValidationInfo) -> _Origins:
+    return info.context if isinstance(info.context, _Origins) else _Origins()
 
 
-def _source(key: str) -> _Origin:
-    return _CURRENT.get().of(key)
-
-
-# --------------------------------------------------------------------------
-# Field helpers
-# --------------------------------------------------------------------------
-
-
-def _opt(default: Any, doc: str, *, low: float | None = None) -> Any:
-    """A field with its one-line meaning and an optional lower bound."""
-    metadata: dict[str, Any] = {"doc": doc}
-    if low is not None:
-        metadata["min"] = low
-    return field(default=default, metadata=metadata)
+def _record(out: dict[str, _Origin], key: str, data: Any, origin: _Origin) -> None:
+    out[key] = origin
+    if isinstance(data, Mapping):
+        for name, value in data.items():
+            _record(out, _join(key, name), value, origin)
 
 
 def _join(prefix: str, name: object) -> str:
@@ -119,12 +116,20 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _error(key: str, value: Any, problem: str, doc: str | None = None) -> ConfigError:
-    """``KEY = VALUE (SOURCE) PROBLEM (KEY: DOC)`` as one ConfigError."""
-    message = f"{key} = {_show(value)} ({_source(key).label}) {problem}"
+def _error(
+    key: str, value: Any, problem: str, origins: _Origins, doc: str | None = None
+) -> ConfigError:
+    """``KEY = VALUE (SOURCE) PROBLEM [NAME: DOC]`` as one ConfigError."""
+    message = f"{key} = {_show(value)} ({origins.of(key).label}) {problem}"
     if doc:
-        message += f" [{key.rsplit('.', 1)[-1]}: {doc}]"
+        message += f" [{key.rsplit('.', 1)[-1]}: {_brief(doc)}]"
     return ConfigError(message, key=key)
+
+
+def _brief(doc: str) -> str:
+    """A field's description cut to its first sentence, for error messages."""
+    first = " ".join(doc.split()).split(". ")[0].rstrip(".")
+    return first[:1].lower() + first[1:]
 
 
 def _suggest(word: str, choices: list[str]) -> str:
@@ -138,150 +143,137 @@ def _suggest(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-# --------------------------------------------------------------------------
-# Types: checking and describing, generic over the type hints used here
-# --------------------------------------------------------------------------
+# -- pydantic's errors in our words ------------------------------------------------
 
-_NO = object()  # "does not fit the type"
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
-
-
-def _coerce(tp: Any, value: Any) -> Any:
-    """``value`` as type ``tp`` (ints widen to float, lists to tuples) or _NO."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        ok = any(type(value) is type(a) and value == a for a in typing.get_args(tp))
-        return value if ok else _NO
-    if _is_union(tp):
-        for arm in typing.get_args(tp):
-            out = _coerce(arm, value)
-            if out is not _NO:
-                return out
-        return _NO
-    if tp is type(None):
-        return value if value is None else _NO
-    if tp is bool:
-        return value if isinstance(value, bool) else _NO
-    if tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return value if ok else _NO
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return _NO
-        try:
-            return float(value)
-        except OverflowError:
-            return _NO
-    if tp is str:
-        return value if isinstance(value, str) else _NO
-    if origin is tuple:
-        item_tp = typing.get_args(tp)[0]
-        if not isinstance(value, list | tuple):
-            return _NO
-        items = [_coerce(item_tp, v) for v in value]
-        return _NO if any(i is _NO for i in items) else tuple(items)
-    if dataclasses.is_dataclass(tp):
-        return value if isinstance(value, tp) else _NO  # type: ignore[arg-type]
-    raise TypeError(f"unsupported config type {tp!r}")
-
-
-_PLAIN = {
-    bool: ("true or false", "booleans", "bool"),
-    int: ("an integer", "integers", "int"),
-    float: ("a number", "numbers", "float"),
-    str: ("a string", "strings", "str"),
-    type(None): ("null", "nulls", "null"),
+_EXPECTED = {  # pydantic error type -> what is allowed
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "tuple_type": "a list of integers",
 }
 
 
-def _describe(tp: Any, *, plural: bool = False) -> str:
-    """``tp`` in words, for messages: 'an integer', "one of 'a', 'b'"."""
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if _is_union(tp):
-        return " or ".join(_describe(a, plural=plural) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is tuple:
-        return "a list of " + _describe(typing.get_args(tp)[0], plural=True)
-    if dataclasses.is_dataclass(tp):
-        return "mappings" if plural else "a mapping"
-    return _PLAIN[tp][1 if plural else 0]
+def _field_at(cls: Any, loc: tuple[Any, ...]) -> tuple[str, Any]:
+    """(dotted key, FieldInfo or None) of the setting that ``loc`` points into;
+    an index into a list stops the walk at the list."""
+    key, info = cls._KEY, None
+    for part in loc:
+        fields = getattr(cls, "model_fields", {})
+        if part not in fields:
+            break
+        info = fields[part]
+        key, cls = _join(key, part), info.annotation
+    return key, info
 
 
-def _type_name(tp: Any) -> str:
-    """``tp`` in short, for tables: 'int', 'str | null', '"a" | "b"'."""
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(f'"{a}"' for a in typing.get_args(tp))
-    if _is_union(tp):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is tuple:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    if dataclasses.is_dataclass(tp):
-        return "mapping"
-    return _PLAIN[tp][2]
+def _problem(err: Any, info: Any) -> str:
+    """What is wrong with the value of one pydantic error, and what is allowed."""
+    kind, value, ctx = err["type"], err["input"], err.get("ctx") or {}
+    in_list = isinstance(err["loc"][-1], int)
+    if kind == "literal_error":
+        choices = typing.get_args(info.annotation)
+        text = "is not one of " + ", ".join(repr(c) for c in choices)
+        return text + (_suggest(value, list(choices)) if isinstance(value, str) else "")
+    if kind in ("greater_than_equal", "less_than_equal"):
+        bound = f">= {ctx['ge']}" if "ge" in ctx else f"<= {ctx['le']}"
+        what = "every item must be" if in_list else "must be"
+        return f"is out of range: {what} {bound}"
+    if kind in ("model_type", "dict_type"):
+        return "must be a mapping of settings"
+    if kind == "finite_number":
+        return "must be a finite number"
+    if kind == "too_short":
+        return "must not be empty"
+    allowed = _EXPECTED.get(kind, err["msg"])
+    if info is not None and not info.is_required() and info.default is None:
+        allowed += " or null"
+    number = kind in ("int_type", "int_from_float", "float_type")
+    why = " (true/false is not a number)" if number and isinstance(value, bool) else ""
+    return f"must be {allowed}{why}"
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+def _translate(cls: Any, exc: ValidationError, origins: _Origins) -> ConfigError:
+    """The first of pydantic's errors as a ConfigError."""
+    errors = exc.errors(include_url=False)
+    for err in errors:  # our own validators' errors come back as they were
+        if isinstance((err.get("ctx") or {}).get("error"), ConfigError):
+            return err["ctx"]["error"]  # type: ignore[no-any-return]
+    err = next((e for e in errors if e["type"] == "missing"), errors[0])
+    loc = tuple(err["loc"])
+    if err["type"] in ("missing", "extra_forbidden"):
+        prefix, info = _field_at(cls, loc[:-1])
+        section = info.annotation if info is not None else cls
+        where, key = prefix or "the bucket file", _join(prefix, loc[-1])
+        if err["type"] == "missing":
+            names = [str(e["loc"][-1]) for e in errors if e["type"] == "missing"]
+            return ConfigError(
+                f"{where} ({origins.of(prefix).label}) is missing required "
+                f"key(s): {', '.join(names)}",
+                key=key,
+            )
+        known = list(section.model_fields)
+        return ConfigError(
+            f"{key} ({origins.of(key).label}) is not a known key"
+            + (_REMOVED.get(key) or _suggest(str(loc[-1]), known) or ".")
+            + f" Known keys of {where}: {', '.join(known)}.",
+            key=key,
+        )
+    key, info = _field_at(cls, loc)
+    doc = info.description if info is not None else None
+    return _error(key, err["input"], _problem(err, info), origins, doc)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    # Memoises type hints of our own classes (code, not configuration).
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+_REMOVED = {
+    f"{ROOT_KEY}.mm_encoder_cache_items": (
+        ": it was removed, because vLLM's scheduler decides which encoder outputs "
+        "stay cached (its encoder cache is sized in embeddings from "
+        "--max-num-batched-tokens) and the worker must keep each one until the "
+        "scheduler frees it."
+    ),
+}
 
 
-def _init_fields(cls: type) -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+class _Section(BaseModel):
+    """A frozen, strict settings model whose every failure is a ConfigError."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True
+    )
+    _KEY: ClassVar[str] = ""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _translate(type(self), exc, _Origins()) from None
+
+    # Tells pydantic this __init__ only wraps its own: validation (nested
+    # sections, model_validate) then builds instances directly, keeping its
+    # context (the origins) instead of calling __init__ with the data.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def _parse(cls, data: Any, origins: _Origins) -> Self:
+        """``cls`` from plain data, with ``origins`` naming where each key came from."""
+        if not isinstance(data, Mapping):
+            raise _error(cls._KEY, data, "must be a mapping of settings", origins)
+        try:
+            return cls.model_validate(data, context=origins)
+        except ValidationError as exc:
+            raise _translate(cls, exc, origins) from None
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes``, validated like any other instance."""
+        return type(self)(**{**dict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts, lists and scalars; ``from_mapping`` of it is equal."""
+        return self.model_dump(mode="json")
 
 
-# --------------------------------------------------------------------------
-# Validation, run by every class's __post_init__
-# --------------------------------------------------------------------------
-
-
-def _validate_fields(obj: Any) -> None:
-    """Check (and normalise: int -> float, list -> tuple) every field of obj."""
-    cls = type(obj)
-    hints = _hints(cls)
-    for f in _init_fields(cls):
-        key = _join(cls._KEY, f.name)
-        doc = f.metadata.get("doc")
-        value = getattr(obj, f.name)
-        tp = hints[f.name]
-        out = _coerce(tp, value)
-        if out is _NO:
-            literal = typing.get_origin(tp) is Literal
-            if literal and isinstance(value, str):
-                choices = [str(a) for a in typing.get_args(tp)]
-                problem = f"is not {_describe(tp)}" + _suggest(value, choices)
-            elif literal:
-                problem = f"is not {_describe(tp)}"
-            else:
-                problem = f"must be {_describe(tp)}"
-                if isinstance(value, bool) and tp in (int, float):
-                    problem += " (true/false is not a number)"
-            raise _error(key, value, problem, doc)
-        if isinstance(out, float) and not math.isfinite(out):
-            raise _error(key, value, "must be a finite number", doc)
-        low = f.metadata.get("min")
-        if low is not None:
-            items = out if isinstance(out, tuple) else (out,)
-            if any(v is not None and v < low for v in items):
-                what = "every item must be" if isinstance(out, tuple) else "must be"
-                raise _error(key, value, f"is out of range: {what} >= {low}", doc)
-        if out is not value:
-            object.__setattr__(obj, f.name, out)
-
-
-# --------------------------------------------------------------------------
-# YAML: YAML 1.2 booleans (so `strategy: off` is the string "off") and no
-# duplicate keys
-# --------------------------------------------------------------------------
+# -- YAML: YAML 1.2 booleans (`strategy: off` is the string "off"), no duplicate keys
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -314,101 +306,98 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def _resolve_path(key: str, value: str) -> Path:
+def _resolve_path(key: str, value: str, origins: _Origins) -> Path:
     """The file ``value`` names: absolute, or tried against cwd, the folder of
     the YAML file that set it, then the repository's configs/ folder."""
     path = Path(value).expanduser()
     if path.is_absolute():
         tried = [path]
     else:
-        base = _source(key).base_dir
+        base = origins.of(key).base_dir
         dirs = [Path.cwd(), *([base] if base else []), CONFIGS_DIR]
         tried = list(dict.fromkeys(d / path for d in dirs))
     for candidate in tried:
         if candidate.is_file():
             return candidate.resolve()
-    raise _error(key, value, "names no file; tried " + ", ".join(str(p) for p in tried))
+    tried_text = ", ".join(str(p) for p in tried)
+    raise _error(key, value, "names no file; tried " + tried_text, origins)
 
 
-def _read_yaml(key: str, value: str, path: Path) -> Any:
+def _read_yaml(key: str, value: str, path: Path, origins: _Origins) -> Any:
     try:
         with path.open(encoding="utf-8") as fh:
             return yaml.load(fh, Loader=_YamlLoader)  # a SafeLoader
     except OSError as exc:
-        raise _error(key, value, f"cannot be read: {exc}") from exc
+        raise _error(key, value, f"cannot be read: {exc}", origins) from exc
     except yaml.YAMLError as exc:
-        raise _error(key, value, f"is not valid YAML ({path}): {exc}") from exc
+        problem = f"is not valid YAML ({path}): {exc}"
+        raise _error(key, value, problem, origins) from exc
 
 
-# --------------------------------------------------------------------------
-# The configuration tree
-# --------------------------------------------------------------------------
+# -- the configuration tree ----------------------------------------------------------
+
+_Positive = Annotated[int, Field(ge=1)]
+_Buckets = Annotated[  # a YAML list of positive ints, kept sorted and unique
+    tuple[Annotated[int, Strict(), Field(ge=1)], ...],
+    Field(min_length=1, strict=False),
+    AfterValidator(lambda items: tuple(sorted(set(items)))),
+]
 
 
-@dataclass(frozen=True, slots=True)
-class ExplicitBuckets:
+class ExplicitBuckets(_Section):
     """The bucket lists of a ``bucketing.file`` (strategy ``explicit``).
 
-    Each list is sorted and de-duplicated on load. A prefill bucket is a token
-    count, a decode bucket a batch size; ``blocks`` are KV-block counts, used
-    by both.
+    Each list is required, holds at least one positive integer, and is sorted
+    and de-duplicated on load. A prefill bucket is a token count, a decode
+    bucket a batch size; ``blocks`` are KV-block counts, used by both.
     """
 
-    _KEY: ClassVar[str] = ""
-
-    prefill_tokens: tuple[int, ...] = field(
-        metadata={"doc": "prefill token counts to compile and warm up", "min": 1}
-    )
-    decode_batch: tuple[int, ...] = field(
-        metadata={"doc": "decode batch sizes to compile and warm up", "min": 1}
-    )
-    blocks: tuple[int, ...] = field(
-        metadata={"doc": "KV-cache block counts to compile and warm up", "min": 1}
-    )
-
-    def __post_init__(self) -> None:
-        _validate_fields(self)
-        for f in dataclasses.fields(self):
-            items = getattr(self, f.name)
-            if not items:
-                doc = f.metadata["doc"]
-                raise _error(f.name, list(items), "must not be empty", doc)
-            object.__setattr__(self, f.name, tuple(sorted(set(items))))
+    prefill_tokens: _Buckets
+    """Prefill buckets: total prompt tokens in one forward pass."""
+    decode_batch: _Buckets
+    """Decode buckets: number of sequences in one decode step."""
+    blocks: _Buckets
+    """KV-cache block counts, used by both prefill and decode buckets."""
 
 
-@dataclass(frozen=True, slots=True)
-class BucketingConfig:
+class BucketingConfig(_Section):
     """Which padded shapes are compiled and warmed up."""
 
     _KEY: ClassVar[str] = f"{ROOT_KEY}.bucketing"
+    _buckets: ExplicitBuckets | None = PrivateAttr(default=None)
 
-    strategy: Literal["exponential", "linear", "explicit", "off"] = _opt(
-        "exponential", "how bucket sizes are generated"
-    )
-    file: str | None = _opt(
-        None, "YAML file with explicit bucket lists (strategy 'explicit')"
-    )
-    prefill_min_tokens: int = _opt(32, "smallest prefill bucket, in tokens", low=1)
-    prefill_step_tokens: int = _opt(
-        128, "step between prefill buckets for strategy 'linear', in tokens", low=1
-    )
-    decode_min_batch: int = _opt(1, "smallest decode batch bucket", low=1)
-    decode_step_batch: int = _opt(
-        8, "step between decode batch buckets for strategy 'linear'", low=1
-    )
-    block_step: int = _opt(16, "step between KV-block-count buckets", low=1)
-    fallback_max_pad_ratio: float = _opt(
-        2.0,
-        "a shape with no warmed-up bucket is padded to at most this times its size",
-        low=1.0,
-    )
-    buckets: ExplicitBuckets | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-    """The lists read from ``file`` when the strategy is 'explicit', else None."""
+    strategy: Literal["exponential", "linear", "explicit", "off"] = "exponential"
+    """How bucket sizes are generated. Inputs are padded up to a bucket, so only a known
+    set of shapes gets compiled. `exponential`: powers of two from the minimum sizes.
+    `linear`: fixed steps (`*_step_*`). `explicit`: the lists in `bucketing.file`.
+    `off`: no padding, so every new shape compiles when it first appears."""
+    file: str | None = None
+    """YAML file with the explicit bucket lists (see [below](#explicit-bucket-files)).
+    Required when `strategy` is `explicit`. The file must exist and parse. At other
+    times it is ignored, with a warning."""
+    prefill_min_tokens: _Positive = 32
+    """Smallest prefill bucket, in tokens."""
+    prefill_step_tokens: _Positive = 128
+    """Step between prefill buckets, in tokens (strategy `linear`)."""
+    decode_min_batch: _Positive = 1
+    """Smallest decode batch bucket."""
+    decode_step_batch: _Positive = 8
+    """Step between decode batch buckets (strategy `linear`)."""
+    block_step: _Positive = 16
+    """Step between KV-cache block-count buckets."""
+    fallback_max_pad_ratio: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] = 2.0
+    """For a shape that no warmed-up bucket fits: pad it to at most this many times its
+    real size. A shape beyond that runs at a new size, which is compiled on first
+    use."""
 
-    def __post_init__(self) -> None:
-        _validate_fields(self)
+    @property
+    def buckets(self) -> ExplicitBuckets | None:
+        """The lists read from ``file`` when the strategy is 'explicit', else None."""
+        return self._buckets
+
+    @model_validator(mode="after")
+    def _read_bucket_file(self, info: ValidationInfo) -> Self:
+        origins = _origins_of(info)
         file_key = f"{self._KEY}.file"
         if self.strategy != "explicit":
             if self.file is not None:
@@ -419,62 +408,83 @@ class BucketingConfig:
                     self._KEY,
                     self.strategy,
                 )
-            return
+            return self
         if self.file is None:
-            key = f"{self._KEY}.strategy"
             raise _error(
-                key,
+                f"{self._KEY}.strategy",
                 self.strategy,
                 f"needs {file_key}, a YAML file with the bucket lists "
                 "(see configs/buckets-example.yaml)",
+                origins,
             )
-        path = _resolve_path(file_key, self.file)
-        object.__setattr__(self, "file", str(path))
-        object.__setattr__(self, "buckets", _load_buckets(file_key, self.file, path))
+        path = _resolve_path(file_key, self.file, origins)
+        self._buckets = _load_buckets(file_key, self.file, path, origins)
+        self.__dict__["file"] = str(path)  # frozen for users; the resolved path
+        return self
 
 
-@dataclass(frozen=True, slots=True)
-class WarmupConfig:
+class WarmupConfig(_Section):
     """Compiling and running every bucket before serving."""
 
     _KEY: ClassVar[str] = f"{ROOT_KEY}.warmup"
 
-    skip: bool = _opt(False, "skip warm-up (shapes then compile on first use)")
-    progress_bar: bool = _opt(True, "show a progress bar during warm-up")
+    skip: bool = False
+    """Skip warm-up. Start-up is faster, but each bucket compiles on its first
+    request."""
+    progress_bar: bool = True
+    """Show a progress bar during warm-up."""
 
-    def __post_init__(self) -> None:
-        _validate_fields(self)
+
+class MemoryConfig(_Section):
+    """How device memory is shared out when the engine starts."""
+
+    _KEY: ClassVar[str] = f"{ROOT_KEY}.memory"
+
+    graph_reserve_fraction: Annotated[
+        float, Field(ge=0.0, le=0.9, allow_inf_nan=False)
+    ] = 0.10
+    """Share of device memory kept free for compiled graphs after the KV cache is sized
+    (as the official Gaudi plugin's `VLLM_GRAPH_RESERVED_MEM`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class HpuMMConfig:
+class HpuMMConfig(_Section):
     """All of the plugin's settings (``--additional-config`` key ``hpu_mm``)."""
 
     _KEY: ClassVar[str] = ROOT_KEY
 
-    graph_mode: Literal["auto", "eager", "compile", "graphs"] = _opt(
-        "auto", "how the model runs: eager, torch.compile, or captured graphs"
-    )
-    bucketing: BucketingConfig = field(
-        default_factory=BucketingConfig, metadata={"doc": "shape bucketing"}
-    )
-    warmup: WarmupConfig = field(
-        default_factory=WarmupConfig, metadata={"doc": "warm-up before serving"}
-    )
-    mm_encoder_cache_items: int = _opt(
-        64, "multimodal encoder outputs kept cached per worker", low=1
-    )
-    mm_max_image_pixels: int = _opt(
-        4096 * 4096,
-        "largest image (width x height, read from its header) a request may send",
-        low=1,
-    )
-    config_file: str | None = _opt(
-        None, "YAML file read first; keys given inline override it"
-    )
+    graph_mode: Literal["auto", "eager", "compile"] = "auto"
+    """How the model runs. `eager`: plain PyTorch, with no graphs. `compile`:
+    `torch.compile`, one compiled graph per bucket (the `hpu_backend` on Gaudi).
+    `auto`: `eager` under `--enforce-eager`, else `compile`. Captured graphs
+    (`graphs`: HPU or CUDA graphs) are not implemented and are refused."""
+    bucketing: BucketingConfig = Field(default_factory=BucketingConfig)
+    """Shape bucketing."""
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    """Warm-up before serving."""
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    """Device memory at start-up."""
+    mm_max_image_pixels: _Positive = 4096 * 4096
+    """Largest image a request may send, in pixels (width x height, 4096 x 4096 by
+    default). It is read from the image header before any pixel is decoded, so a
+    decompression bomb is refused with a 400 in the API server (see the README's
+    Reliability section)."""
+    config_file: str | None = None
+    """YAML file that is read first. Keys given inline override its keys. After loading,
+    this key holds the resolved absolute path."""
 
-    def __post_init__(self) -> None:
-        _validate_fields(self)
+    @field_validator("graph_mode", mode="before")
+    @classmethod
+    def _no_captured_graphs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value == "graphs":
+            raise _error(
+                f"{ROOT_KEY}.graph_mode",
+                value,
+                "is not supported: captured HPU/CUDA graphs are not implemented. "
+                "Allowed: 'auto', 'eager', 'compile'; 'compile' (torch.compile, one "
+                "graph per warmed-up bucket) is the graph mode that runs",
+                _origins_of(info),
+            )
+        return value
 
     # -- building -------------------------------------------------------
 
@@ -511,55 +521,21 @@ class HpuMMConfig:
         of ``data`` override its keys (nested sections merge key by key).
         """
         inline = _Origin(f"from {source}")
-        origins: dict[str, _Origin] = {}
-        if not isinstance(data, Mapping):
-            with _origins({ROOT_KEY: inline}):
-                raise _error(ROOT_KEY, data, "must be a mapping of settings")
-        _record(origins, ROOT_KEY, data, inline)
+        by_key: dict[str, _Origin] = {}
+        _record(by_key, ROOT_KEY, data, inline)
+        origins = _Origins(by_key, _Origin("default"))
+        file_value = data.get("config_file") if isinstance(data, Mapping) else None
+        if file_value is None:
+            return cls._parse(data, origins)
         file_key = f"{ROOT_KEY}.config_file"
-        merged: Mapping[str, Any] = data
-        file_value = data.get("config_file")
-        if file_value is not None:
-            with _origins(origins):
-                if not isinstance(file_value, str):
-                    raise _error(file_key, file_value, "must be a string (a path)")
-                path = _resolve_path(file_key, file_value)
-                file_data = _read_file_section(file_key, file_value, path)
-            from_file = _Origin(f"from {path}", base_dir=path.parent)
-            file_origins: dict[str, _Origin] = {}
-            _record(file_origins, ROOT_KEY, file_data, from_file)
-            origins = {**file_origins, **origins}
-            merged = {**_deep_merge(file_data, data), "config_file": str(path)}
-        with _origins(origins):
-            return _build(cls, merged)
-
-    # -- reading --------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dicts, lists and scalars; ``from_mapping`` of it is equal."""
-        return _to_dict(self)
-
-
-# --------------------------------------------------------------------------
-# The parser, written once for every class above
-# --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _origins(by_key: Mapping[str, _Origin]) -> Iterator[None]:
-    """Within: error messages and relative paths use these origins."""
-    token = _CURRENT.set(_Origins(dict(by_key), _Origin("default")))
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-
-
-def _record(out: dict[str, _Origin], key: str, data: Any, origin: _Origin) -> None:
-    out[key] = origin
-    if isinstance(data, Mapping):
-        for name, value in data.items():
-            _record(out, _join(key, name), value, origin)
+        if not isinstance(file_value, str):
+            raise _error(file_key, file_value, "must be a string (a path)", origins)
+        path = _resolve_path(file_key, file_value, origins)
+        file_data = _read_file_section(file_key, file_value, path, origins)
+        from_file: dict[str, _Origin] = {}
+        _record(from_file, ROOT_KEY, file_data, _Origin(f"from {path}", path.parent))
+        merged = {**_deep_merge(file_data, data), "config_file": str(path)}
+        return cls._parse(merged, _Origins({**from_file, **by_key}, origins.fallback))
 
 
 def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -573,94 +549,43 @@ def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, A
     return merged
 
 
-def _read_file_section(key: str, value: str, path: Path) -> Mapping[str, Any]:
+def _read_file_section(
+    key: str, value: str, path: Path, origins: _Origins
+) -> Mapping[str, Any]:
     """The ``hpu_mm`` settings in a config file (a top-level ``hpu_mm:`` is
     unwrapped); an empty file is an empty mapping."""
-    data = _read_yaml(key, value, path)
+    data = _read_yaml(key, value, path, origins)
     if data is None:
         return {}
     if isinstance(data, Mapping) and set(data) == {ROOT_KEY}:
         data = data[ROOT_KEY] or {}
     if not isinstance(data, Mapping):
-        raise _error(
-            key, value, f"must hold a mapping of settings; {path} holds {_show(data)}"
-        )
+        problem = f"must hold a mapping of settings; {path} holds {_show(data)}"
+        raise _error(key, value, problem, origins)
     if "config_file" in data:
-        raise _error(
-            key, value, f"{path} sets config_file itself; config files do not nest"
-        )
+        problem = f"{path} sets config_file itself; config files do not nest"
+        raise _error(key, value, problem, origins)
     return data
 
 
-def _build(cls: Any, data: Any) -> Any:
-    """An instance of dataclass ``cls`` from a mapping, recursing into
-    sections; unknown and missing keys are errors, the rest ``cls`` checks."""
-    prefix: str = cls._KEY
+def _load_buckets(
+    key: str, value: str, path: Path, origins: _Origins
+) -> ExplicitBuckets:
+    data = _read_yaml(key, value, path, origins)
     if not isinstance(data, Mapping):
-        raise _error(prefix, data, "must be a mapping of settings")
-    hints = _hints(cls)
-    names = [f.name for f in _init_fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        if name not in names:
-            key = _join(prefix, name)
-            raise ConfigError(
-                f"{key} ({_source(key).label}) is not a known key"
-                + (_suggest(str(name), names) or ".")
-                + f" Known keys of {prefix or 'the bucket file'}: {', '.join(names)}.",
-                key=key,
-            )
-        tp = hints[name]
-        kwargs[name] = _build(tp, value) if dataclasses.is_dataclass(tp) else value
-    missing = [
-        f.name
-        for f in _init_fields(cls)
-        if f.name not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        where = _source(prefix).label
-        raise ConfigError(
-            f"{prefix or 'the bucket file'} ({where}) is missing required key(s): "
-            + ", ".join(missing),
-            key=_join(prefix, missing[0]),
-        )
-    return cls(**kwargs)
-
-
-def _to_dict(obj: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in _init_fields(type(obj)):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            value = _to_dict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
-def _load_buckets(key: str, value: str, path: Path) -> ExplicitBuckets:
-    data = _read_yaml(key, value, path)
-    where = _Origin(f"from {path}, the {key}", base_dir=path.parent)
+        problem = f"must hold a mapping of bucket lists; got {_show(data)}"
+        raise _error(key, value, problem, origins)
     by_key: dict[str, _Origin] = {}
-    _record(by_key, "", data, where)
-    if not isinstance(data, Mapping):
-        raise _error(
-            key, value, f"must hold a mapping of bucket lists; got {_show(data)}"
-        )
-    with _origins(by_key):
-        result: ExplicitBuckets = _build(ExplicitBuckets, data)
-        return result
+    _record(by_key, "", data, _Origin(f"from {path}, the {key}", path.parent))
+    return ExplicitBuckets._parse(data, _Origins(by_key, by_key[""]))
 
 
 def load_explicit_buckets(path: str | Path) -> ExplicitBuckets:
     """Read and check a bucket-list file (the format of ``bucketing.file``)."""
     key = f"{BucketingConfig._KEY}.file"
-    with _origins({key: _Origin("passed to load_explicit_buckets")}):
-        resolved = _resolve_path(key, str(path))
-        return _load_buckets(key, str(path), resolved)
+    origins = _Origins({key: _Origin("passed to load_explicit_buckets")})
+    resolved = _resolve_path(key, str(path), origins)
+    return _load_buckets(key, str(path), resolved, origins)
 
 
 def load_plugin_config(vllm_config: Any) -> HpuMMConfig:
@@ -670,31 +595,25 @@ def load_plugin_config(vllm_config: Any) -> HpuMMConfig:
     )
 
 
-# --------------------------------------------------------------------------
-# Introspection, for docs and tools
-# --------------------------------------------------------------------------
+# -- introspection, for docs and tools -------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class KeyInfo:
-    """One settable key: dotted name, type, default and meaning."""
+    """One settable key: its dotted name and its pydantic field."""
 
     key: str
-    type: str
-    default: Any
-    doc: str
+    field: FieldInfo
+
+    @property
+    def doc(self) -> str:
+        return self.field.description or ""
 
 
-def describe_keys(cls: Any = HpuMMConfig) -> Iterator[KeyInfo]:
+def describe_keys(cls: type[_Section] = HpuMMConfig) -> Iterator[KeyInfo]:
     """Every leaf key of ``cls`` (default: the whole ``hpu_mm`` tree)."""
-    hints = _hints(cls)
-    defaults = cls() if cls is not ExplicitBuckets else None
-    for f in _init_fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from describe_keys(tp)
-            continue
-        default = getattr(defaults, f.name) if defaults is not None else None
-        yield KeyInfo(
-            _join(cls._KEY, f.name), _type_name(tp), default, f.metadata["doc"]
-        )
+    for name, info in cls.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, _Section):
+            yield from describe_keys(info.annotation)
+        else:
+            yield KeyInfo(_join(cls._KEY, name), info)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from vllm_hpu_mm.config import (
     CONFIGS_DIR,
@@ -20,6 +20,7 @@ from vllm_hpu_mm.config import (
     ConfigError,
     ExplicitBuckets,
     HpuMMConfig,
+    MemoryConfig,
     WarmupConfig,
     describe_keys,
     load_explicit_buckets,
@@ -53,7 +54,7 @@ def write(path: Path, text: str) -> Path:
 def test_defaults() -> None:
     cfg = HpuMMConfig()
     assert cfg.graph_mode == "auto"
-    assert cfg.mm_encoder_cache_items == 64
+    assert cfg.mm_max_image_pixels == 4096 * 4096
     assert cfg.config_file is None
     assert cfg.bucketing == BucketingConfig()
     assert cfg.bucketing.strategy == "exponential"
@@ -66,6 +67,7 @@ def test_defaults() -> None:
     assert cfg.bucketing.block_step == 16
     assert cfg.bucketing.fallback_max_pad_ratio == 2.0
     assert cfg.warmup == WarmupConfig(skip=False, progress_bar=True)
+    assert cfg.memory == MemoryConfig(graph_reserve_fraction=0.10)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +85,7 @@ def test_inline_overrides() -> None:
                 "graph_mode": "eager",
                 "warmup": {"skip": True},
                 "bucketing": {"strategy": "linear", "block_step": 32},
-                "mm_encoder_cache_items": 8,
+                "memory": {"graph_reserve_fraction": 0.25},
             },
             "gdn_prefill_backend": "ignored: belongs to vLLM",
         }
@@ -94,7 +96,7 @@ def test_inline_overrides() -> None:
     assert cfg.bucketing.strategy == "linear"
     assert cfg.bucketing.block_step == 32
     assert cfg.bucketing.prefill_min_tokens == 32
-    assert cfg.mm_encoder_cache_items == 8
+    assert cfg.memory.graph_reserve_fraction == 0.25
 
 
 def test_int_accepted_for_float() -> None:
@@ -105,20 +107,20 @@ def test_int_accepted_for_float() -> None:
 
 def test_load_plugin_config_reads_vllm_config_and_caches_nothing() -> None:
     eager = SimpleNamespace(additional_config={"hpu_mm": {"graph_mode": "eager"}})
-    graphs = SimpleNamespace(additional_config={"hpu_mm": {"graph_mode": "graphs"}})
+    comp = SimpleNamespace(additional_config={"hpu_mm": {"graph_mode": "compile"}})
     assert load_plugin_config(eager).graph_mode == "eager"
-    assert load_plugin_config(graphs).graph_mode == "graphs"
+    assert load_plugin_config(comp).graph_mode == "compile"
     assert load_plugin_config(SimpleNamespace(additional_config=None)) == HpuMMConfig()
     assert load_plugin_config(object()) == HpuMMConfig()
 
 
 def test_frozen() -> None:
     cfg = HpuMMConfig()
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.graph_mode = "eager"  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.bucketing.block_step = 1  # type: ignore[misc]
-    with pytest.raises((AttributeError, TypeError)):
+    with pytest.raises(ValidationError):
         cfg.new_attribute = 1  # type: ignore[attr-defined]
     assert hash(cfg) == hash(HpuMMConfig())
 
@@ -128,9 +130,11 @@ def test_direct_construction_is_validated_too() -> None:
         HpuMMConfig(graph_mode="bogus")  # type: ignore[arg-type]
     assert "set in Python code" in str(info.value)
     with pytest.raises(ConfigError, match=r"hpu_mm\.warmup\.skip"):
-        dataclasses.replace(WarmupConfig(), skip="no")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"hpu_mm\.bucketing = "):
-        HpuMMConfig(bucketing={"strategy": "linear"})  # type: ignore[arg-type]
+        WarmupConfig().replace(skip="no")
+    with pytest.raises(ConfigError, match=r"hpu_mm\.bucketing\.strategy = 'expo'"):
+        HpuMMConfig(bucketing={"strategy": "expo"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"hpu_mm\.bucketing = \[\] .* mapping"):
+        HpuMMConfig(bucketing=[])  # type: ignore[arg-type]
 
 
 def test_module_imports_neither_vllm_nor_torch() -> None:
@@ -151,7 +155,7 @@ def test_file_then_inline_precedence(tmp_path: Path) -> None:
     path = write(
         tmp_path / "mine.yaml",
         "graph_mode: compile\n"
-        "mm_encoder_cache_items: 16\n"
+        "mm_max_image_pixels: 1024\n"
         "bucketing:\n  strategy: linear\n  block_step: 64\n"
         "warmup:\n  skip: true\n",
     )
@@ -163,7 +167,7 @@ def test_file_then_inline_precedence(tmp_path: Path) -> None:
     assert cfg.graph_mode == "eager"  # inline wins
     assert cfg.bucketing.block_step == 8  # inline wins, key by key
     assert cfg.bucketing.strategy == "linear"  # from the file
-    assert cfg.mm_encoder_cache_items == 16  # from the file
+    assert cfg.mm_max_image_pixels == 1024  # from the file
     assert cfg.warmup.skip is True  # from the file
     assert cfg.config_file == str(path.resolve())
 
@@ -174,25 +178,22 @@ def test_relative_config_file_tries_cwd_then_configs_dir(
     monkeypatch.chdir(tmp_path)
     from_repo = inline(config_file="default.yaml")
     assert from_repo.config_file == str((CONFIGS_DIR / "default.yaml").resolve())
-    write(tmp_path / "default.yaml", "graph_mode: graphs\n")
+    write(tmp_path / "default.yaml", "graph_mode: compile\n")
     from_cwd = inline(config_file="default.yaml")
-    assert from_cwd.graph_mode == "graphs"
+    assert from_cwd.graph_mode == "compile"
     assert from_cwd.config_file == str((tmp_path / "default.yaml").resolve())
 
 
 def test_default_yaml_spells_out_the_defaults() -> None:
     cfg = inline(config_file="default.yaml")
-    assert dataclasses.replace(cfg, config_file=None) == HpuMMConfig()
+    assert cfg.replace(config_file=None) == HpuMMConfig()
 
 
 def test_file_may_wrap_settings_in_hpu_mm_and_may_be_empty(tmp_path: Path) -> None:
     wrapped = write(tmp_path / "w.yaml", "hpu_mm:\n  graph_mode: eager\n")
     assert inline(config_file=str(wrapped)).graph_mode == "eager"
     empty = write(tmp_path / "e.yaml", "# nothing\n")
-    assert (
-        dataclasses.replace(inline(config_file=str(empty)), config_file=None)
-        == HpuMMConfig()
-    )
+    assert inline(config_file=str(empty)).replace(config_file=None) == HpuMMConfig()
 
 
 def test_yaml_booleans_are_yaml_1_2(tmp_path: Path) -> None:
@@ -261,7 +262,7 @@ def test_bad_choice() -> None:
 def test_bad_choice_of_wrong_type() -> None:
     msg = error_of(graph_mode=1)
     assert "hpu_mm.graph_mode = 1" in msg
-    assert "'auto', 'eager', 'compile', 'graphs'" in msg
+    assert "is not one of 'auto', 'eager', 'compile'" in msg
 
 
 def test_unknown_key_suggests() -> None:
@@ -289,8 +290,8 @@ def test_misspelled_root_key() -> None:
     [
         ({"warmup": {"skip": 1}}, "hpu_mm.warmup.skip = 1", "true or false"),
         ({"warmup": {"skip": "true"}}, "hpu_mm.warmup.skip = 'true'", "true or false"),
-        ({"mm_encoder_cache_items": True}, "items = True", "an integer"),
-        ({"mm_encoder_cache_items": 2.0}, "items = 2.0", "an integer"),
+        ({"mm_max_image_pixels": True}, "pixels = True", "an integer"),
+        ({"mm_max_image_pixels": 2.0}, "pixels = 2.0", "an integer"),
         ({"bucketing": {"block_step": "16"}}, "block_step = '16'", "an integer"),
         (
             {"bucketing": {"fallback_max_pad_ratio": False}},
@@ -310,7 +311,8 @@ def test_wrong_types(hpu_mm: dict[str, Any], key: str, allowed: str) -> None:
 
 
 def test_bool_is_not_a_number_explained() -> None:
-    assert "true/false is not a number" in error_of(mm_encoder_cache_items=False)
+    assert "true/false is not a number" in error_of(mm_max_image_pixels=False)
+    assert "not a number" not in error_of(bucketing={"file": True})  # a string
 
 
 def test_section_must_be_a_mapping() -> None:
@@ -477,7 +479,6 @@ POSITIVE_INTS = [
     ("bucketing", "decode_min_batch"),
     ("bucketing", "decode_step_batch"),
     ("bucketing", "block_step"),
-    (None, "mm_encoder_cache_items"),
     (None, "mm_max_image_pixels"),
 ]
 
@@ -500,12 +501,18 @@ bucketing_dicts = st.fixed_dictionaries(
 hpu_mm_dicts = st.fixed_dictionaries(
     {},
     optional={
-        "graph_mode": st.sampled_from(["auto", "eager", "compile", "graphs"]),
+        "graph_mode": st.sampled_from(["auto", "eager", "compile"]),
         "bucketing": bucketing_dicts,
         "warmup": st.fixed_dictionaries(
             {}, optional={"skip": st.booleans(), "progress_bar": st.booleans()}
         ),
-        "mm_encoder_cache_items": positive,
+        "memory": st.fixed_dictionaries(
+            {},
+            optional={
+                "graph_reserve_fraction": st.floats(min_value=0.0, max_value=0.9)
+            },
+        ),
+        "mm_max_image_pixels": positive,
     },
 )
 
@@ -552,3 +559,53 @@ def test_property_non_ints_are_rejected(
     data: dict[str, Any] = {section: {name: value}} if section else {name: value}
     with pytest.raises(ConfigError, match="must be an integer"):
         HpuMMConfig.from_mapping(data, source="hypothesis")
+
+
+# --------------------------------------------------------------------------
+# Settings that changed: refused graph mode, removed key, the new memory key
+# --------------------------------------------------------------------------
+
+
+def test_captured_graphs_are_refused_at_validation(tmp_path: Path) -> None:
+    msg = error_of(graph_mode="graphs")
+    assert "hpu_mm.graph_mode = 'graphs' (from --additional-config)" in msg
+    assert "not implemented" in msg  # why
+    assert "Allowed: 'auto', 'eager', 'compile'" in msg  # what is allowed
+    path = write(tmp_path / "g.yaml", "graph_mode: graphs\n")
+    assert f"(from {path.resolve()})" in error_of(config_file=str(path))
+    with pytest.raises(ConfigError, match="not implemented"):
+        HpuMMConfig(graph_mode="graphs")  # type: ignore[arg-type]
+
+
+def test_removed_encoder_cache_key_says_why() -> None:
+    msg = error_of(mm_encoder_cache_items=64)
+    assert "hpu_mm.mm_encoder_cache_items (from --additional-config)" in msg
+    assert "removed" in msg and "scheduler" in msg
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(-0.1, ">= 0.0"), (0.95, "<= 0.9"), (float("nan"), "finite"), ("0.1", "number")],
+)
+def test_graph_reserve_fraction_range(value: Any, expected: str) -> None:
+    msg = error_of(memory={"graph_reserve_fraction": value})
+    assert f"hpu_mm.memory.graph_reserve_fraction = {value!r}" in msg
+    assert expected in msg
+
+
+def test_graph_reserve_fraction_bounds_are_inclusive() -> None:
+    assert (
+        inline(memory={"graph_reserve_fraction": 0}).memory.graph_reserve_fraction == 0
+    )
+    assert inline(memory={"graph_reserve_fraction": 0.9}).memory == MemoryConfig(
+        graph_reserve_fraction=0.9
+    )
+
+
+def test_committed_docs_are_the_generated_ones() -> None:
+    from vllm_hpu_mm.tools import gen_config_docs
+
+    committed = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    stale = "docs/configuration.md is stale: run the generator"
+    assert committed == gen_config_docs.render(), stale
+    assert gen_config_docs.main(["--check"]) == 0

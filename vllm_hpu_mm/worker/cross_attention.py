@@ -90,6 +90,13 @@ class ImageSlots:
         self.refs.pop(key, None)
         self.free.append(self.slot.pop(key))
 
+    def drop_idle(self) -> list[str]:
+        """Free every slot no running request holds; the images dropped."""
+        dropped = list(self.idle)
+        for key in dropped:
+            self.forget(key)
+        return dropped
+
     def __len__(self) -> int:
         return len(self.slot)
 
@@ -224,6 +231,15 @@ class CrossAttentionInputs:
         if pending:
             self._encode_pending(pending)
         metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
+
+    def reset(self) -> int:
+        """Forget the cached images no running request holds (stale after a
+        weight update), so they are encoded again; how many were dropped."""
+        dropped = self.slots.drop_idle()
+        for key in dropped:
+            self.num_tiles.pop(key, None)
+        metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
+        return len(dropped)
 
     def _release(self, req_id: str) -> None:
         for im in self.images.pop(req_id, ()):

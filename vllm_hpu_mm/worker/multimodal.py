@@ -62,7 +62,14 @@ def next_pow2(n: int) -> int:
 
 
 class EncoderCache:
-    """Encoder outputs by item identifier, on the device."""
+    """Encoder outputs by item identifier, on the device.
+
+    It has no bound of its own: vLLM's scheduler (``EncoderCacheManager``)
+    decides what stays cached, sized in embedding rows, and skips encoding an
+    item it believes is cached. So an entry stays until the scheduler frees it
+    (``free_encoder_mm_hashes``), or until both sides are reset together
+    (``reset_encoder_cache``).
+    """
 
     def __init__(self) -> None:
         self.outputs: dict[str, torch.Tensor] = {}
@@ -87,6 +94,13 @@ class EncoderCache:
         for key in keys:
             self.outputs.pop(key, None)
         metrics.ENCODER_CACHE_ITEMS.set(len(self.outputs))
+
+    def clear(self) -> int:
+        """Drop every output (the scheduler's side is reset with it); how many."""
+        dropped = len(self.outputs)
+        self.outputs.clear()
+        metrics.ENCODER_CACHE_ITEMS.set(0)
+        return dropped
 
 
 def pad_items(kwargs: dict[str, Any], num_items: int, size: int) -> dict[str, Any]:

@@ -147,10 +147,27 @@ class HpuMMWorker(WorkerBase):
         return None
 
     def reset_mm_cache(self) -> None:
-        return None
+        """vLLM's reset of the multimodal input caches (``LLM.reset_mm_cache``).
+
+        The engine core keeps its scheduler's encoder-cache records here, so the
+        encoder outputs it may still reuse stay; Mllama's image slots are the
+        worker's own and are dropped (the inputs' pixels are sent again)."""
+        runner = self._runner()
+        if runner.cross is not None:
+            self._log_reset("reset_mm_cache", runner.cross.reset(), "image slots")
 
     def reset_encoder_cache(self) -> None:
-        return None
+        """Drop cached encoder outputs and Mllama's idle image slots (vLLM calls it
+        after a weight update, with the scheduler's records reset alongside)."""
+        runner = self._runner()
+        if runner.mm is not None:
+            self._log_reset("reset_encoder_cache", runner.mm.cache.clear(), "outputs")
+        if runner.cross is not None:
+            self._log_reset("reset_encoder_cache", runner.cross.reset(), "image slots")
+
+    @staticmethod
+    def _log_reset(call: str, dropped: int, what: str) -> None:
+        logger.info("%s: dropped %d cached encoder %s", call, dropped, what)
 
     def peak_memory_bytes(self) -> int:
         """Peak device memory of this worker (0 on the CPU); read by the bench."""

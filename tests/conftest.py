@@ -16,9 +16,9 @@ __all__ = ["MODELS_DIR", "REPO_ROOT", "hf_greedy"]
 
 def _tiny_model_dir(name: str) -> str:
     """``models/<name>``, built with the repository's builder if missing."""
-    from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models
+    from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
-    return str(build_tiny_models(MODELS_DIR, names=[name])[name])
+    return str(build_tiny_model(MODELS_DIR, name))
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +36,4 @@ def tiny_mistral_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_mllama_dir() -> str:
     """Path of the tiny Mllama model (4 tiles of 32x32, float32), built if missing."""
-    from vllm_hpu_mm.tools.build_tiny_mllama import build_tiny_mllama
-
-    return str(build_tiny_mllama(MODELS_DIR))
+    return _tiny_model_dir("tiny-mllama")

@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.tools import build_tiny_mllama as builder
+from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+from vllm_hpu_mm.tools.tiny_model_specs import MLLAMA_IMAGE_TOKEN
 
-IMAGE_TOKEN = builder.IMAGE_TOKEN
+IMAGE_TOKEN = MLLAMA_IMAGE_TOKEN
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 def tiny_mllama_dir() -> str:
     """Path of ``models/tiny-mllama`` (built on first use; kept when current)."""
-    return str(builder.build_tiny_mllama(MODELS_DIR))
+    return str(build_tiny_model(MODELS_DIR, "tiny-mllama"))
 
 
 @cache

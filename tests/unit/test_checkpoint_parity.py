@@ -1,0 +1,114 @@
+"""Every tiny checkpoint, in every layout users bring, holds the same tensors in
+vLLM (through the plugin) as in HF transformers.
+
+Layouts: what ``save_pretrained`` writes (every builder's directory), the
+released llava-hf layout (``tiny-llava-released``), and transformers' module
+names as a saved ``state_dict()`` writes them (Mllama, LLaVA). One fresh
+interpreter runs ``tests.checkpoint_probe`` over all of them: vLLM's own
+``get_model`` on the CPU against ``from_pretrained``, parameter by parameter
+(see that module for the name mapping and the fused projections).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import MODELS_DIR, REPO_ROOT
+from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models, model_specs
+
+BUILT = list(model_specs())
+MODULE_NAME_LAYOUT = ["tiny-mllama", "tiny-llava"]
+
+
+def save_with_module_names(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` with its weights re-saved as transformers' ``state_dict()``."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, out / file.name)
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Layout label -> model directory."""
+    built = build_tiny_models(MODELS_DIR)
+    out = {name: str(path) for name, path in built.items()}
+    tmp = tmp_path_factory.mktemp("module_names")
+    for name in MODULE_NAME_LAYOUT:
+        out[f"{name} (module names)"] = str(
+            save_with_module_names(built[name], tmp / name)
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe(dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm"))}
+    args = [*dirs.values(), f"--in-tree-llava={dirs['tiny-llava']}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.checkpoint_probe", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    return {label: result[d] for label, d in dirs.items()} | {
+        "in_tree_llava": result["in_tree_llava"]
+    }
+
+
+def test_module_name_layouts_differ_from_save_pretrained(dirs: dict[str, str]) -> None:
+    from vllm_hpu_mm.tools.build_tiny_models import checkpoint_names
+
+    for name in MODULE_NAME_LAYOUT:
+        saved = checkpoint_names(dirs[name])
+        modules = checkpoint_names(dirs[f"{name} (module names)"])
+        assert len(saved) == len(modules) and not set(saved) & set(modules)
+
+
+@pytest.mark.parametrize(
+    "label", [*BUILT, *(f"{n} (module names)" for n in MODULE_NAME_LAYOUT)]
+)
+def test_vllm_holds_the_tensors_hf_holds(probe: Any, label: str) -> None:
+    res = probe[label]
+    assert "error" not in res, res.get("error")
+    assert res["num_params"] > 0
+    assert res["unmatched_vllm"] == [], "vLLM parameters with no HF tensor"
+    assert res["differ"] == [], "vLLM parameters that differ from HF's"
+    assert res["unused_hf"] == [], "HF tensors vLLM did not take"
+    assert res["documented_drops_seen"]
+
+
+def test_llava_and_mllama_run_the_plugins_classes(probe: Any) -> None:
+    assert probe["tiny-llava"]["vllm_class"] == (
+        "vllm_hpu_mm.models.llava.LlavaForConditionalGeneration"
+    )
+    assert probe["tiny-mllama"]["vllm_class"].startswith("vllm_hpu_mm.models.mllama")
+    assert probe["tiny-idefics3"]["vllm_class"].startswith("vllm.model_executor")
+
+
+def test_in_tree_llava_rejects_save_pretrained_layout(probe: Any) -> None:
+    """Why the plugin's LLaVA subclass exists; when this fails, it can go."""
+    error = probe["in_tree_llava"]
+    assert error is not None and "'vision_tower.embeddings'" in error

@@ -87,7 +87,9 @@ def compare(vllm_model: Any, hf_model: Any, arch: str) -> dict[str, Any]:
         if got.shape != want.shape or not torch.equal(got, want):
             differ.append(name)
     dropped = NOT_IN_VLLM.get(arch, ())
-    unused = sorted(n for n in set(hf) - used if not any(re.match(p, n) for p in dropped))
+    unused = sorted(
+        n for n in set(hf) - used if not any(re.match(p, n) for p in dropped)
+    )
     drops_seen = [p for p in dropped if any(re.match(p, n) for n in set(hf) - used)]
     return {
         "vllm_class": type(vllm_model).__module__ + "." + type(vllm_model).__name__,

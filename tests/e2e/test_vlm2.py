@@ -170,7 +170,11 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def token_ids(model_dir: str) -> dict[str, int]:
     tok = hf_processor(model_dir).tokenizer
-    names = (specs.IDEFICS3_IMAGE_TOKEN, specs.IDEFICS3_FAKE_IMAGE_TOKEN, specs.IDEFICS3_GLOBAL_IMAGE_TOKEN)
+    names = (
+        specs.IDEFICS3_IMAGE_TOKEN,
+        specs.IDEFICS3_FAKE_IMAGE_TOKEN,
+        specs.IDEFICS3_GLOBAL_IMAGE_TOKEN,
+    )
     return {t: tok.convert_tokens_to_ids(t) for t in names}
 
 

@@ -142,8 +142,8 @@ def save_tiny_model(
 
     tok, model = init_model(spec)
     model_dir.mkdir(parents=True, exist_ok=True)
-    shard: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(model_dir, **shard)
+    sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(model_dir, **sharding)
     text = model.config.get_text_config()
     GenerationConfig(
         bos_token_id=text.bos_token_id,

@@ -12,16 +12,14 @@ interpreter runs ``tests.checkpoint_probe`` over all of them: vLLM's own
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import MODELS_DIR, REPO_ROOT
+from tests.conftest import MODELS_DIR
+from tests.fresh_interpreter import run_for_result
 from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models, model_specs
 
 BUILT = list(model_specs())
@@ -60,19 +58,12 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def probe(dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm"))}
     args = [*dirs.values(), f"--in-tree-llava={dirs['tiny-llava']}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.checkpoint_probe", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    result = run_for_result(
+        ["-m", "tests.checkpoint_probe", *args],
+        tmp_path_factory.mktemp("vllm"),
         timeout=600,
     )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
     return {label: result[d] for label, d in dirs.items()} | {
         "in_tree_llava": result["in_tree_llava"]
     }

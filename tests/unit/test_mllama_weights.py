@@ -11,15 +11,12 @@ Both layouts loading with the same tensors as HF: ``test_checkpoint_parity``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.fresh_interpreter import run_for_result
 
 _CHECK = textwrap.dedent(
     """
@@ -68,18 +65,10 @@ _CHECK = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def result(tiny_mllama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm"))}
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHECK, tiny_mllama_dir],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    res = run_for_result(
+        ["-c", _CHECK, tiny_mllama_dir], tmp_path_factory.mktemp("vllm")
     )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return {"dir": tiny_mllama_dir} | json.loads(lines[-1][len("RESULT ") :])
+    return {"dir": tiny_mllama_dir} | res
 
 
 def test_the_published_layout_loads(result: Any) -> None:

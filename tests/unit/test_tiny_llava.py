@@ -8,16 +8,13 @@ the checkpoint. (Its weights against HF's: ``test_checkpoint_parity``.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODELS_DIR, REPO_ROOT
+from tests.conftest import MODELS_DIR
+from tests.fresh_interpreter import run_for_result
 from vllm_hpu_mm.models.compat import PIL_PIXTRAL_MODULE
 from vllm_hpu_mm.tools import tiny_model_specs as specs
 from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
@@ -115,20 +112,9 @@ _VLLM_CHECK = textwrap.dedent(
 @pytest.fixture(scope="module")
 def vllm_check(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Run ``_VLLM_CHECK`` in a fresh interpreter; return its result dict."""
-    # A private cache root: the in-process model inspection must not leave a
-    # cached model info behind that would hide a missing alias in later runs.
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm"))}
-    proc = subprocess.run(
-        [sys.executable, "-c", _VLLM_CHECK, str(tiny_llava_dir)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_for_result(
+        ["-c", _VLLM_CHECK, str(tiny_llava_dir)], tmp_path_factory.mktemp("vllm")
     )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_vllm_llava_imports_with_pil_pixtral(vllm_check: dict) -> None:

@@ -37,3 +37,21 @@ def tiny_mistral_dir() -> str:
 def tiny_mllama_dir() -> str:
     """Path of the tiny Mllama model (4 tiles of 32x32, float32), built if missing."""
     return _tiny_model_dir("tiny-mllama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir() -> str:
+    """Path of the tiny LLaVA (CLIP tower as save_pretrained writes it, float32)."""
+    return _tiny_model_dir("tiny-llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_released_dir() -> str:
+    """The same LLaVA in the llava-hf layout (``vision_tower.vision_model.*``)."""
+    return _tiny_model_dir("tiny-llava-released")
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir() -> str:
+    """Path of the tiny Idefics3 (SmolVLM architecture, float32)."""
+    return _tiny_model_dir("tiny-idefics3")

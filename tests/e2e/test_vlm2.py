@@ -18,18 +18,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.mm_reference import engine_lifetime, greedy_generate
 from vllm_hpu_mm.tools import tiny_model_specs as specs
-from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MAX_NEW = 10
 # Smaller than one image's 19 placeholder ids (vLLM accepts any budget >=
 # max_num_seqs; the encoder budget and cache are raised to one image's 16 rows).
@@ -163,8 +160,8 @@ def hf_greedy(model_dir: str, case: Case) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(build_tiny_model(MODELS_DIR, "tiny-idefics3"))
+def model_dir(tiny_idefics3_dir: str) -> str:
+    return tiny_idefics3_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,12 @@ the checkpoint. (Its weights against HF's: ``test_checkpoint_parity``.)
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODELS_DIR
 from tests.fresh_interpreter import run_for_result
 from vllm_hpu_mm.models.compat import PIL_PIXTRAL_MODULE
 from vllm_hpu_mm.tools import tiny_model_specs as specs
-from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_llava_dir() -> Path:
-    """``models/tiny-llava``, built on first use."""
-    return build_tiny_model(MODELS_DIR, "tiny-llava")
 
 
 def _image(kind: str, size: tuple[int, int] = (48, 40)):
@@ -42,7 +33,7 @@ def _image(kind: str, size: tuple[int, int] = (48, 40)):
     return Image.fromarray(rgb.astype(np.uint8), mode="RGB")
 
 
-def test_hf_generate_with_image(tiny_llava_dir: Path) -> None:
+def test_hf_generate_with_image(tiny_llava_dir: str) -> None:
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -110,10 +101,10 @@ _VLLM_CHECK = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def vllm_check(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def vllm_check(tiny_llava_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Run ``_VLLM_CHECK`` in a fresh interpreter; return its result dict."""
     return run_for_result(
-        ["-c", _VLLM_CHECK, str(tiny_llava_dir)], tmp_path_factory.mktemp("vllm")
+        ["-c", _VLLM_CHECK, tiny_llava_dir], tmp_path_factory.mktemp("vllm")
     )
 
 

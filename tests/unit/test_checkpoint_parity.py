@@ -43,6 +43,23 @@ def save_with_module_names(model_dir: Path, out: Path) -> Path:
     return out
 
 
+EXTRA_TENSOR = {
+    "tiny-mllama": "vision_model.transformer.layers.0.bogus.weight",
+    "tiny-llava": "vision_tower.encoder.layers.0.bogus.weight",
+}
+
+
+def save_with_extra_tensor(model_dir: Path, out: Path, name: str) -> Path:
+    """``model_dir`` with one more tensor, ``name``, that no model parameter takes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    tensors = load_file(str(out / "model.safetensors")) | {name: torch.zeros(2)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Layout label -> model directory."""
@@ -52,6 +69,10 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name in MODULE_NAME_LAYOUT:
         out[f"{name} (module names)"] = str(
             save_with_module_names(built[name], tmp / name)
+        )
+    for name, extra in EXTRA_TENSOR.items():
+        out[f"{name} (extra tensor)"] = str(
+            save_with_extra_tensor(built[name], tmp / f"{name}-extra", extra)
         )
     return out
 
@@ -103,3 +124,14 @@ def test_in_tree_llava_rejects_save_pretrained_layout(probe: Any) -> None:
     """Why the plugin's LLaVA subclass exists; when this fails, it can go."""
     error = probe["in_tree_llava"]
     assert error is not None and "'vision_tower.embeddings'" in error
+
+
+@pytest.mark.parametrize("name", list(EXTRA_TENSOR))
+def test_a_tensor_no_parameter_takes_is_named_with_its_file(
+    probe: Any, dirs: dict[str, str], name: str
+) -> None:
+    error = probe[f"{name} (extra tensor)"].get("error")
+    assert error is not None, "the extra tensor was accepted"
+    assert repr(EXTRA_TENSOR[name]) in error
+    assert str(Path(dirs[f"{name} (extra tensor)"]) / "model.safetensors") in error
+    assert "'vision_tower.vision_model.'" in error or "'vision_model.'" in error

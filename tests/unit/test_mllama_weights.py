@@ -109,7 +109,7 @@ def test_weight_file_finds_the_shard(tmp_path: Any) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from vllm_hpu_mm.models.mllama.weights import weight_file
+    from vllm_hpu_mm.models.checkpoint_files import weight_file
 
     save_file({"a.weight": torch.zeros(1)}, str(tmp_path / "one.safetensors"))
     save_file({"b.weight": torch.zeros(1)}, str(tmp_path / "two.safetensors"))

@@ -8,7 +8,8 @@ saved ``state_dict()`` ``model.vision_tower.*``), which vLLM 0.33's own
 ``hf_to_vllm_mapper`` passes through to a parameter that does not exist. The
 subclass below adds one rule to that mapper, only when vLLM's tower nests its
 parameters under ``vision_model`` (CLIP, SigLIP; not Pixtral): a tower name that
-does not already say ``vision_model.`` gets it. Everything else is vLLM's class.
+does not already say ``vision_model.`` gets it. A tensor that cannot be loaded is
+reported with its checkpoint name and file. Everything else is vLLM's class.
 
 When it can go: once vLLM's LLaVA maps the flat tower layout itself.
 """
@@ -16,10 +17,14 @@ When it can go: once vLLM's LLaVA maps the flat tower layout itself.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
+import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models import llava
 from vllm.model_executor.models.utils import WeightsMapper
+
+from vllm_hpu_mm.models.checkpoint_files import load_naming_the_weight, model_path_of
 
 # (model.)vision_tower.X -> (model.)vision_tower.vision_model.X unless X says it.
 FLAT_TOWER_MAPPER = WeightsMapper(
@@ -40,3 +45,14 @@ class LlavaForConditionalGeneration(llava.LlavaForConditionalGeneration):
             # Regexes run before the prefix map: the nested name then takes
             # vLLM's own "model.vision_tower." -> "vision_tower." rule.
             self.hf_to_vllm_mapper = type(self).hf_to_vllm_mapper | FLAT_TOWER_MAPPER
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        prefixes = self.hf_to_vllm_mapper.orig_to_new_prefix
+        known = sorted({*prefixes, *(p for p in prefixes.values() if p)})
+        return load_naming_the_weight(
+            super().load_weights,
+            weights,
+            model="LLaVA",
+            model_path=model_path_of(self.config),
+            known_prefixes=[*known, "vision_tower.vision_model."],
+        )

@@ -31,6 +31,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vllm_hpu_mm.attention.cross import cross_attention, cross_layer_registry
+from vllm_hpu_mm.models.checkpoint_files import model_path_of
 from vllm_hpu_mm.models.mllama import weights as weights_lib
 from vllm_hpu_mm.models.mllama.processing import (
     IMAGE_TOKEN,
@@ -245,7 +246,7 @@ class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the published layout or transformers' module names alike."""
         params = {name for name, _ in self.named_parameters()}
-        path = weights_lib.model_path_of(self.config)
+        path = model_path_of(self.config)
         loaded = AutoWeightsLoader(self).load_weights(
             weights_lib.checked(weights, params, path), mapper=self.hf_to_vllm_mapper
         )

@@ -19,13 +19,12 @@ are vLLM ``WeightsMapper``s applied by ``AutoWeightsLoader``, as in-tree models 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Any
 
 import torch
 from vllm.model_executor.models.utils import WeightsMapper
+
+from vllm_hpu_mm.models.checkpoint_files import CheckpointWeightError, weight_file
 
 # published prefix -> module-name prefix
 PUBLISHED_TO_MODULE: dict[str, str] = {
@@ -54,7 +53,7 @@ KNOWN_PREFIXES: tuple[str, ...] = (
 )
 
 
-class MllamaWeightError(ValueError):
+class MllamaWeightError(CheckpointWeightError):
     """A checkpoint tensor the model has no parameter for, or a missing one."""
 
 
@@ -102,28 +101,3 @@ def check_complete(loaded: set[str], parameters: set[str], model_path: str) -> N
             f"Mllama checkpoint {model_path} lacks {len(missing)} tensor(s) for "
             f"{missing[:5]}"
         )
-
-
-def weight_file(model_path: str, name: str) -> str:
-    """The checkpoint file holding tensor ``name`` (for error messages)."""
-    folder = Path(model_path)
-    index = folder / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            if name in weight_map:
-                return str(folder / weight_map[name])
-        from safetensors import safe_open
-
-        for file in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                if name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                    return str(file)
-    except (OSError, ValueError):
-        pass
-    return f"a checkpoint file of {model_path}"
-
-
-def model_path_of(config: Any) -> str:
-    """Where the checkpoint was read from (transformers records it)."""
-    return str(getattr(config, "_name_or_path", "") or "the checkpoint")

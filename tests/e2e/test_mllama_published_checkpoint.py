@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_serve import Server, serve
-from tests.mllama_reference import hf_mllama_greedy
-from tests.mm_reference import make_image, png_data_url
+from tests.mllama_reference import hf_mllama_greedy, mllama_chat
+from tests.mm_reference import make_image
 from vllm_hpu_mm.tools import build_tiny_models as btm
 
 pytestmark = pytest.mark.e2e
@@ -56,19 +56,7 @@ def test_checkpoint_is_sharded_in_the_published_layout(model_dir: str) -> None:
 
 def test_chat_with_an_image_matches_hf(server: Server, model_dir: str) -> None:
     image = make_image("stripes", (80, 40), 1)
-    content = [
-        {"type": "image_url", "image_url": {"url": png_data_url(image)}},
-        {"type": "text", "text": "What is in this picture?"},
-    ]
-    body = {
-        "model": server.model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = server.post("/v1/chat/completions", body)
+    response = mllama_chat(server, [image], "What is in this picture?", MAX_NEW)
     assert response.status_code == 200, response.text
     data = response.json()
     got = data["choices"][0]["token_ids"]

@@ -16,7 +16,6 @@ venv:
 
 models: venv
 	@$(PY) -m vllm_hpu_mm.tools.build_tiny_models --out models
-	@$(PY) -m vllm_hpu_mm.tools.build_tiny_mllama --out models
 
 demo: models
 	@bash scripts/demo.sh

@@ -170,11 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if not os.path.isdir(args.model) and args.model == "models/tiny-llava":
-        from pathlib import Path
+        from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
-        from vllm_hpu_mm.tools.build_tiny_llava import build_tiny_llava
-
-        build_tiny_llava(Path("models"))
+        build_tiny_model("models", "tiny-llava")
     rows = []
     child = list(argv if argv is not None else sys.argv[1:])
     for setting in ("off", "on"):

@@ -16,9 +16,9 @@ __all__ = ["MODELS_DIR", "REPO_ROOT", "hf_greedy"]
 
 def _tiny_model_dir(name: str) -> str:
     """``models/<name>``, built with the repository's builder if missing."""
-    from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models
+    from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
-    return str(build_tiny_models(MODELS_DIR, names=[name])[name])
+    return str(build_tiny_model(MODELS_DIR, name))
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +36,22 @@ def tiny_mistral_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_mllama_dir() -> str:
     """Path of the tiny Mllama model (4 tiles of 32x32, float32), built if missing."""
-    from vllm_hpu_mm.tools.build_tiny_mllama import build_tiny_mllama
+    return _tiny_model_dir("tiny-mllama")
 
-    return str(build_tiny_mllama(MODELS_DIR))
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir() -> str:
+    """Path of the tiny LLaVA (CLIP tower as save_pretrained writes it, float32)."""
+    return _tiny_model_dir("tiny-llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_released_dir() -> str:
+    """The same LLaVA in the llava-hf layout (``vision_tower.vision_model.*``)."""
+    return _tiny_model_dir("tiny-llava-released")
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir() -> str:
+    """Path of the tiny Idefics3 (SmolVLM architecture, float32)."""
+    return _tiny_model_dir("tiny-idefics3")

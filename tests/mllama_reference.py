@@ -14,15 +14,17 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.tools import build_tiny_mllama as builder
+from tests.mm_reference import png_data_url
+from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+from vllm_hpu_mm.tools.tiny_model_specs import MLLAMA_IMAGE_TOKEN
 
-IMAGE_TOKEN = builder.IMAGE_TOKEN
+IMAGE_TOKEN = MLLAMA_IMAGE_TOKEN
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 def tiny_mllama_dir() -> str:
     """Path of ``models/tiny-mllama`` (built on first use; kept when current)."""
-    return str(builder.build_tiny_mllama(MODELS_DIR))
+    return str(build_tiny_model(MODELS_DIR, "tiny-mllama"))
 
 
 @cache
@@ -80,3 +82,22 @@ def hf_mllama_greedy(
         **inputs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
     )
     return out[0, len(prompt_token_ids) :].tolist()
+
+
+def mllama_chat(server: Any, images: list[Any], question: str, max_tokens: int) -> Any:
+    """A greedy chat request with ``images`` (PNG data URLs) to a ``vllm serve``
+    ``server``; the answer carries its prompt and output token ids."""
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": png_data_url(im)}} for im in images
+    ]
+    body = {
+        "model": server.model,
+        "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": question}]}
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    return server.post("/v1/chat/completions", body)

@@ -23,16 +23,17 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.tools import build_tiny_llava as builder
+from vllm_hpu_mm.tools import tiny_model_specs as specs
+from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
-IMAGE_TOKEN = builder.IMAGE_TOKEN
-NUM_IMAGE_TOKENS = builder.NUM_IMAGE_TOKENS
+IMAGE_TOKEN = specs.LLAVA_IMAGE_TOKEN
+NUM_IMAGE_TOKENS = specs.LLAVA_NUM_IMAGE_TOKENS
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 def tiny_llava_dir() -> str:
     """Path of ``models/tiny-llava`` (built on first use; kept when current)."""
-    return str(builder.build_tiny_llava(MODELS_DIR))
+    return str(build_tiny_model(MODELS_DIR, "tiny-llava"))
 
 
 # --- images ---------------------------------------------------------------------

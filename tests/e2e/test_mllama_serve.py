@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_serve import Server, serve
-from tests.mllama_reference import hf_mllama_greedy, tiny_mllama_dir
-from tests.mm_reference import make_image, png_data_url
+from tests.mllama_reference import hf_mllama_greedy, mllama_chat, tiny_mllama_dir
+from tests.mm_reference import make_image
 
 pytestmark = pytest.mark.e2e
 
@@ -30,20 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _chat(server: Server, images: list[Any], question: str) -> Any:
-    parts: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": png_data_url(im)}} for im in images
-    ]
-    body = {
-        "model": server.model,
-        "messages": [
-            {"role": "user", "content": [*parts, {"type": "text", "text": question}]}
-        ],
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    return server.post("/v1/chat/completions", body)
+    return mllama_chat(server, images, question, MAX_NEW)
 
 
 @pytest.mark.parametrize(

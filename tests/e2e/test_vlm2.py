@@ -1,7 +1,7 @@
 """Offline ``vllm.LLM`` on the plugin with the second VLM (tiny Idefics3): greedy
 parity with HF transformers.
 
-The model is ``models/tiny-idefics3`` (``vllm_hpu_mm.tools.build_tiny_vlm2``):
+The model is ``models/tiny-idefics3`` (``vllm_hpu_mm.tools.build_tiny_models``):
 SigLIP-like tower, pixel-shuffle connector, tiny Llama. Every image becomes
 ``<fake_token_around_image><global-img>`` + 16 ``<image>`` +
 ``<fake_token_around_image>`` (19 prompt ids, 16 of them take an image embedding).
@@ -18,17 +18,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.mm_reference import engine_lifetime, greedy_generate
-from vllm_hpu_mm.tools import build_tiny_vlm2 as builder
+from vllm_hpu_mm.tools import tiny_model_specs as specs
 
 pytestmark = pytest.mark.e2e
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MAX_NEW = 10
 # Smaller than one image's 19 placeholder ids (vLLM accepts any budget >=
 # max_num_seqs; the encoder budget and cache are raised to one image's 16 rows).
@@ -84,8 +82,8 @@ def image(name: str) -> Any:
 
 def user_prompt(text: str, with_image: bool) -> str:
     """SmolVLM-style prompt: ``User:<image>text<end_of_utterance>\\nAssistant:``."""
-    img = builder.IMAGE_TOKEN if with_image else ""
-    return f"User:{img}{text}{builder.END_OF_UTTERANCE}\nAssistant:"
+    img = specs.IDEFICS3_IMAGE_TOKEN if with_image else ""
+    return f"User:{img}{text}{specs.IDEFICS3_END_OF_UTTERANCE}\nAssistant:"
 
 
 @dataclass
@@ -130,7 +128,7 @@ def hf_processor(model_dir: str) -> Any:
 
 
 def hf_inputs(model_dir: str, case: Case) -> Any:
-    assert case.prompt.count(builder.IMAGE_TOKEN) == len(case.images)
+    assert case.prompt.count(specs.IDEFICS3_IMAGE_TOKEN) == len(case.images)
     return hf_processor(model_dir)(
         text=case.prompt, images=list(case.images) or None, return_tensors="pt"
     )
@@ -162,14 +160,18 @@ def hf_greedy(model_dir: str, case: Case) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(builder.build_tiny_vlm2(MODELS_DIR))
+def model_dir(tiny_idefics3_dir: str) -> str:
+    return tiny_idefics3_dir
 
 
 @pytest.fixture(scope="module")
 def token_ids(model_dir: str) -> dict[str, int]:
     tok = hf_processor(model_dir).tokenizer
-    names = (builder.IMAGE_TOKEN, builder.FAKE_IMAGE_TOKEN, builder.GLOBAL_IMAGE_TOKEN)
+    names = (
+        specs.IDEFICS3_IMAGE_TOKEN,
+        specs.IDEFICS3_FAKE_IMAGE_TOKEN,
+        specs.IDEFICS3_GLOBAL_IMAGE_TOKEN,
+    )
     return {t: tok.convert_tokens_to_ids(t) for t in names}
 
 
@@ -220,13 +222,13 @@ def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[list[i
 
 def placeholder_runs(ids: Sequence[int], token_ids: dict[str, int]) -> list[int]:
     """Offsets of ``<fake><global-img><image>*16<fake>`` runs; asserts their shape."""
-    fake = token_ids[builder.FAKE_IMAGE_TOKEN]
-    glob = token_ids[builder.GLOBAL_IMAGE_TOKEN]
-    img = token_ids[builder.IMAGE_TOKEN]
-    n = builder.NUM_IMAGE_TOKENS
+    fake = token_ids[specs.IDEFICS3_FAKE_IMAGE_TOKEN]
+    glob = token_ids[specs.IDEFICS3_GLOBAL_IMAGE_TOKEN]
+    img = token_ids[specs.IDEFICS3_IMAGE_TOKEN]
+    n = specs.IDEFICS3_NUM_IMAGE_TOKENS
     starts = [i for i, t in enumerate(ids) if t == glob]
     for s in starts:
-        run = list(ids[s - 1 : s - 1 + builder.NUM_PLACEHOLDER_TOKENS])
+        run = list(ids[s - 1 : s - 1 + specs.IDEFICS3_NUM_PLACEHOLDER_TOKENS])
         assert run == [fake, glob, *[img] * n, fake], run
     assert sum(t == img for t in ids) == n * len(starts)
     return [s - 1 for s in starts]
@@ -248,7 +250,7 @@ def test_one_image(llm: Any, model_dir: str, token_ids: dict[str, int]) -> None:
     assert ids[0] == bos and ids.count(bos) == 1, ids
     (offset,) = placeholder_runs(ids, token_ids)
     # The placeholder run really is cut: it spans several BUDGET-token steps.
-    end = offset + builder.NUM_PLACEHOLDER_TOKENS - 1
+    end = offset + specs.IDEFICS3_NUM_PLACEHOLDER_TOKENS - 1
     assert end // BUDGET - offset // BUDGET >= 2, (offset, BUDGET)
     check_parity(llm, model_dir, [case])
 

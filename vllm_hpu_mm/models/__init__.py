@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Lazy ("module:class"): registering imports nothing of vLLM's llava.py.
+LLAVA_CLASS = "vllm_hpu_mm.models.llava:LlavaForConditionalGeneration"
+
 
 def register_all() -> None:
     """Called from the ``vllm.general_plugins`` entry point. Idempotent."""
@@ -17,3 +20,5 @@ def register_all() -> None:
 
     # Upstream vLLM dropped Mllama with V0; the plugin serves it on V1.
     ModelRegistry.register_model("MllamaForConditionalGeneration", MODEL_CLASS)
+    # vLLM's LLaVA, also loading the tower layout transformers 5 writes.
+    ModelRegistry.register_model("LlavaForConditionalGeneration", LLAVA_CLASS)

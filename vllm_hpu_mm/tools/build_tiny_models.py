@@ -2,13 +2,20 @@
 
 Usage::
 
-    python -m vllm_hpu_mm.tools.build_tiny_models --out models [--force]
+    python -m vllm_hpu_mm.tools.build_tiny_models --out models [--force] [--only NAME]
 
-Writes ``<out>/tiny-llama`` (Llama, GQA) and ``<out>/tiny-mistral`` (Mistral with a
-16-token sliding window). Both share a byte-level BPE tokenizer trained here on a
-few built-in sentences, with Llama-3-style special tokens and chat template.
-Nothing is downloaded. A model whose directory already holds ``config.json`` and
-weights is left alone unless ``--force`` is given.
+Writes one directory per spec of ``tiny_model_specs`` (``tiny-llama``,
+``tiny-mistral``, ``tiny-llava``, ``tiny-llava-released``, ``tiny-idefics3``,
+``tiny-mllama``). Every model goes through the same steps: the shared tokenizer
+plus the model's tokens, its config, random weights from its seed, then
+transformers' own ``save_pretrained`` for the model, the generation config, the
+tokenizer and the processor: the checkpoint holds exactly what transformers
+writes. Where released checkpoints lay the tensors out differently (LLaVA's CLIP
+tower), a second spec writes that layout by renaming the saved tensors'
+prefixes. Each build is loaded back with transformers (nothing missing,
+unexpected or different) before a stamp marks it complete, and is swapped into
+place whole. Nothing is downloaded. A complete build of the current spec is kept
+unless ``--force`` is given.
 """
 
 from __future__ import annotations
@@ -18,227 +25,181 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-SEED = 0  # per-model seed = SEED + position in model_specs()
-# Bump when what is built changes: older builds are then rebuilt without --force.
-BUILD_VERSION = 1
+from vllm_hpu_mm.tools import tokenizer as tk
+from vllm_hpu_mm.tools.tiny_model_specs import SPECS, TinyModelSpec
+
+# Bump when the steps below change: every older build is then rebuilt.
+BUILD_VERSION = 2
 STAMP_FILE = "tiny_model_build.json"
-VOCAB_SIZE = 640  # BPE target; the trained vocabulary ends up at most this size
-
-BOS = "<|begin_of_text|>"
-EOS = "<|end_of_text|>"
-PAD = "<|pad|>"
-START_HEADER = "<|start_header_id|>"
-END_HEADER = "<|end_header_id|>"
-EOT = "<|eot_id|>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, START_HEADER, END_HEADER, EOT]
-
-# Llama-3-like: every message is "<|start_header_id|>role<|end_header_id|>\n\n
-# content<|eot_id|>"; the generation prompt opens an assistant header.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog near the river bank.",
-    "A small language model can still produce text one token at a time.",
-    "Paris is the capital of France, and Rome is the capital of Italy.",
-    "She opened the window to let the cool morning air into the room.",
-    "Every good test checks one behaviour and explains what went wrong.",
-    "The train to the mountains leaves at seven o'clock every evening.",
-    "We planted tomatoes, beans and sunflowers in the garden this spring.",
-    "Numbers like 3, 14, 159 and 2653 appear in many simple examples.",
-    "He wrote a short letter to his grandmother and posted it on Monday.",
-    "The library closes early on weekends, so bring your books back soon.",
-    "Clouds gathered over the hills before the first drops of rain fell.",
-    "A careful engineer measures twice and changes the code only once.",
-    "The cat slept on the warm windowsill while the kettle boiled.",
-    "Ships carry containers across the ocean from one harbour to another.",
-    "Please answer the question in a single clear and friendly sentence.",
-    "Hello! How are you today? I am fine, thank you for asking.",
-    "What is the weather like in London during the month of November?",
-    "The orchestra played a quiet piece before the long final symphony.",
-    "Bread, cheese, apples and water were packed for the long walk.",
-    "Memory is divided into blocks, and each block holds a few tokens.",
-    "The teacher asked the students to read the third chapter aloud.",
-    "Bright stars filled the night sky above the silent desert camp.",
-    "Our team meets every Tuesday to review progress and plan the week.",
-    "Water boils at one hundred degrees Celsius at sea level.",
-    "The museum shows paintings, old maps and a very large clock.",
-    "If the server is healthy, it answers requests within a second.",
-    "Birds sang in the trees as the sun rose over the quiet village.",
-    "Write a poem about the sea, the wind and a small wooden boat.",
-    "The recipe needs two eggs, a cup of flour and a pinch of salt.",
-    "Tomorrow we will travel north by car and stop for lunch on the way.",
-    "The user asked a question and the assistant gave a short reply.",
-    "Good morning, everyone; let us begin with a brief summary.",
-]
-
-# Shared by both models: small, GQA (4 query heads, 2 KV heads of size 16).
-# initializer_range is far above the usual 0.02 so that random logits are spread
-# out: greedy decoding then moves from token to token instead of repeating one.
-BASE_CONFIG: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.25,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-}
+INDEX_FILE = "model.safetensors.index.json"
 
 
-def build_tokenizer() -> Any:
-    """Train the byte-level BPE tokenizer and wrap it as a fast HF tokenizer."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    # Like Llama 3: encoding with special tokens prepends BOS.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A",
-        pair=f"{BOS} $A {BOS} $B",
-        special_tokens=[(BOS, tok.token_to_id(BOS))],
-    )
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOT,
-        pad_token=PAD,
-        additional_special_tokens=[EOS, START_HEADER, END_HEADER],
-        model_max_length=2048,
-        clean_up_tokenization_spaces=False,
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    return hf_tok
+def model_specs() -> dict[str, TinyModelSpec]:
+    """Model directory name -> spec."""
+    return {spec.name: spec for spec in SPECS}
 
 
-def _is_built(model_dir: Path) -> bool:
-    """Config, weights and a stamp of the current ``BUILD_VERSION`` are present."""
-    has_weights = any(model_dir.glob("*.safetensors"))
-    if not ((model_dir / "config.json").is_file() and has_weights):
-        return False
-    try:
-        stamp = json.loads((model_dir / STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(stamp, dict) and stamp.get("build_version") == BUILD_VERSION
-
-
-def _save_model(
-    model_dir: Path,
-    config_cls: Callable[..., Any],
-    extra: dict[str, Any],
-    tok: Any,
-    seed: int,
-) -> None:
-    """Randomly initialise ``config_cls`` with ``seed`` and save it with ``tok``."""
+def init_model(spec: TinyModelSpec) -> tuple[Any, Any]:
+    """(tokenizer, randomly initialised float32 eval model); deterministic."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import transformers
 
-    ids = tok.convert_tokens_to_ids
-    config = config_cls(
-        **BASE_CONFIG,
-        **extra,
-        vocab_size=len(tok),
-        bos_token_id=ids(BOS),
-        eos_token_id=[ids(EOS), ids(EOT)],
-        pad_token_id=ids(PAD),
-        dtype="float32",
+    tok = tk.build_tokenizer(spec.added_tokens, spec.chat_template)
+    config = spec.config(tok)
+    random.seed(spec.seed)
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, spec.model_class)(config)
+    model = model.to(torch.float32).eval()
+    if spec.post_init is not None:
+        spec.post_init(model, spec.seed)
+    return tok, model
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files (one, or the shards of the index)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """Every tensor name in the checkpoint, sorted."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in weight_files(Path(model_dir)):
+        with safe_open(str(file), "pt") as f:
+            names.extend(f.keys())
+    return sorted(names)
+
+
+def _renamed(name: str, layout: Sequence[tuple[str, str]]) -> str:
+    for old, new in layout:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def convert_layout(model_dir: Path, layout: Sequence[tuple[str, str]]) -> None:
+    """Rename the tensors of a saved checkpoint in place: the first ``(old, new)``
+    prefix pair that matches a name replaces ``old`` by ``new``."""
+    from safetensors.torch import load_file, save_file
+
+    for file in weight_files(model_dir):
+        tensors = load_file(str(file))
+        renamed = {_renamed(n, layout): t for n, t in tensors.items()}
+        assert len(renamed) == len(tensors), f"{file}: the layout merges names"
+        save_file(renamed, str(file), metadata={"format": "pt"})
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {
+            _renamed(n, layout): f for n, f in data["weight_map"].items()
+        }
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def verify(model_dir: Path, spec: TinyModelSpec, model: Any) -> None:
+    """transformers loads ``model_dir`` cleanly and gets ``model``'s tensors."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, spec.model_class)
+    loaded, info = cast(
+        Any,
+        cls.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True),
     )
-    random.seed(seed)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{spec.name}: transformers did not load cleanly: {problems}"
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(want) == set(got), f"{spec.name}: reloaded with other parameters"
+    differ = sorted(n for n in want if not torch.equal(want[n], got[n]))
+    assert not differ, f"{spec.name}: tensors differ after reload: {differ[:5]}"
+
+
+def stamp(spec: TinyModelSpec) -> dict[str, Any]:
+    """What a complete build of ``spec`` records (and is recognised by)."""
+    return {
+        "build_version": BUILD_VERSION,
+        "model_version": spec.version,
+        "seed": spec.seed,
+        "released_layout": [list(pair) for pair in spec.released_layout],
+    }
+
+
+def save_tiny_model(
+    spec: TinyModelSpec, model_dir: Path, max_shard_size: str | None = None
+) -> None:
+    """Initialise ``spec``'s model, save it all with ``save_pretrained``, convert
+    to the released layout if the spec has one, verify, and stamp."""
+    from transformers import GenerationConfig
+
+    tok, model = init_model(spec)
     model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir, safe_serialization=True)
+    sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(model_dir, **sharding)
+    text = model.config.get_text_config()
     GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
     ).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    stamp = {"build_version": BUILD_VERSION, "seed": seed}
-    (model_dir / STAMP_FILE).write_text(json.dumps(stamp) + "\n")
+    if spec.processor is not None:
+        spec.processor(tok).save_pretrained(model_dir)
+    if spec.released_layout:
+        convert_layout(model_dir, spec.released_layout)
+    verify(model_dir, spec, model)
+    # Last: the stamp marks a complete build.
+    (model_dir / STAMP_FILE).write_text(json.dumps(stamp(spec)) + "\n")
 
 
-def model_specs() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
-    """Model directory name -> (transformers config class, extra config fields)."""
-    from transformers import LlamaConfig, MistralConfig
+def is_built(model_dir: Path, spec: TinyModelSpec) -> bool:
+    """A complete build of the current ``spec`` is in ``model_dir``."""
+    try:
+        found = json.loads((model_dir / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return found == stamp(spec) and (model_dir / "config.json").is_file()
 
-    return {
-        "tiny-llama": (LlamaConfig, {}),
-        "tiny-mistral": (MistralConfig, {"sliding_window": 16}),
-    }
+
+def build_tiny_model(out: str | Path, name: str, force: bool = False) -> Path:
+    """Build ``<out>/<name>`` unless it is built (or ``force``); return its path."""
+    specs = model_specs()
+    if name not in specs:
+        raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(specs)}")
+    spec = specs[name]
+    out_dir = Path(out)
+    model_dir = out_dir / name
+    if is_built(model_dir, spec) and not force:
+        print(f"{name}: exists at {model_dir} (use --force to rebuild)")
+        return model_dir
+    # Build next to the target, then swap it in: no half-written model dir.
+    tmp_dir = out_dir / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    try:
+        save_tiny_model(spec, tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp_dir.rename(model_dir)
+    print(f"{name}: built at {model_dir}")
+    return model_dir
 
 
 def build_tiny_models(
     out: str | Path, force: bool = False, names: Sequence[str] | None = None
 ) -> dict[str, Path]:
-    """Build the tiny models under ``out``; return name -> model directory.
-
-    Existing models are kept unless ``force``. ``names`` restricts what is built.
-    """
-    out_dir = Path(out)
-    specs = model_specs()
-    wanted = list(specs) if names is None else list(names)
-    unknown = sorted(set(wanted) - set(specs))
-    if unknown:
-        raise ValueError(f"unknown tiny model(s): {', '.join(unknown)}")
-    tok = None
-    result: dict[str, Path] = {}
-    for name in wanted:
-        model_dir = out_dir / name
-        result[name] = model_dir
-        if _is_built(model_dir) and not force:
-            print(f"{name}: exists at {model_dir} (use --force to rebuild)")
-            continue
-        if tok is None:
-            tok = build_tokenizer()
-        config_cls, extra = specs[name]
-        seed = SEED + list(specs).index(name)
-        # Build next to the target, then swap it in: no half-written model dir.
-        tmp_dir = out_dir / f".{name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        _save_model(tmp_dir, config_cls, extra, tok, seed)
-        shutil.rmtree(model_dir, ignore_errors=True)
-        tmp_dir.rename(model_dir)
-        print(f"{name}: built at {model_dir}")
-    return result
+    """Build the tiny models (all, or ``names``) under ``out``; name -> path."""
+    wanted = list(model_specs()) if names is None else list(names)
+    return {name: build_tiny_model(out, name, force) for name in wanted}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,12 +25,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vllm_hpu_mm.attention.cross import cross_attention, cross_layer_registry
+from vllm_hpu_mm.models.checkpoint_files import model_path_of
+from vllm_hpu_mm.models.mllama import weights as weights_lib
 from vllm_hpu_mm.models.mllama.processing import (
     IMAGE_TOKEN,
     MllamaDummyInputsBuilder,
@@ -100,6 +102,9 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
 
 
 class MllamaTextModel(nn.Module):
+    # q/k/v and gate/up of the checkpoint go into vLLM's fused projections.
+    hf_to_vllm_mapper = weights_lib.TEXT_MAPPER
+
     def __init__(self, vllm_config: VllmConfig, config: Any, prefix: str) -> None:
         super().__init__()
         registry = vllm_config.compilation_config.static_forward_context
@@ -127,6 +132,10 @@ class MllamaTextModel(nn.Module):
                 h = out + residual
         return self.norm(h)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
 
 class MllamaModel(nn.Module):
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
@@ -150,6 +159,8 @@ class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
     """Out-of-tree Mllama; needs the plugin's runner (cross-attention cache)."""
 
     uses_cross_attention_cache: ClassVar[bool] = True
+    # Published checkpoints (and save_pretrained) -> this model's module names.
+    hf_to_vllm_mapper = weights_lib.LAYOUT_MAPPER
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
@@ -233,31 +244,11 @@ class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        stacked = [
-            ("self_attn.qkv_proj", "self_attn.q_proj", "q"),
-            ("self_attn.qkv_proj", "self_attn.k_proj", "k"),
-            ("self_attn.qkv_proj", "self_attn.v_proj", "v"),
-            ("mlp.gate_up_proj", "mlp.gate_proj", 0),
-            ("mlp.gate_up_proj", "mlp.up_proj", 1),
-        ]
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = name, None
-            text = name.startswith("model.language_model.")
-            for fused, part, shard_id in stacked if text else ():
-                if part in name:
-                    target, shard = name.replace(part, fused), shard_id
-                    break
-            if target not in params:
-                raise ValueError(f"unexpected Mllama weight {name!r}")
-            param = params[target]
-            if shard is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
-            loaded.add(target)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"Mllama checkpoint lacks {sorted(missing)[:5]}")
+        """Load the published layout or transformers' module names alike."""
+        params = {name for name, _ in self.named_parameters()}
+        path = model_path_of(self.config)
+        loaded = AutoWeightsLoader(self).load_weights(
+            weights_lib.checked(weights, params, path), mapper=self.hf_to_vllm_mapper
+        )
+        weights_lib.check_complete(loaded, params, path)
         return loaded

@@ -1,0 +1,338 @@
+"""What each tiny test model is: a config, added tokens, a processor, a seed.
+
+``build_tiny_models`` turns a ``TinyModelSpec`` into a checkpoint (tokenizer,
+random weights, ``save_pretrained``, stamp); this module holds only what differs
+per model. All models share the tokenizer of ``tokenizer.py`` and, for the
+vision-language models, the tiny Llama as text model. float32 throughout.
+
+- ``tiny-llama``: Llama, GQA (4 query heads, 2 KV heads of 16).
+- ``tiny-mistral``: the same with a 16-token sliding window.
+- ``tiny-llava``: LLaVA, a CLIP tower (32x32 images, 8x8 patches: 16 patches +
+  CLS), a two-layer GELU projector; ``<image>`` expands to 16 tokens.
+  ``tiny-llava-released``: the same weights in the llava-hf layout.
+- ``tiny-idefics3``: Idefics3 (SmolVLM), a SigLIP-like tower (32x32, 4x4 patches),
+  pixel shuffle by 2 and a linear connector; each image is
+  ``<fake_token_around_image><global-img>`` + 16 ``<image>`` +
+  ``<fake_token_around_image>``. (PaliGemma would have been simpler, but vLLM
+  treats it as a prefix LM with bidirectional image attention; Idefics3 is causal.)
+- ``tiny-mllama``: Llama 3.2 Vision shaped like the 11B model, tiny: 32x32 tiles of
+  8x8 patches, up to 4 tiles, 5 local vision layers with intermediate layers
+  [1, 2, 4], 2 gated global layers; 5 text layers of which 1 and 3 are gated
+  cross-attention layers, Llama 3 RoPE scaling; ``<|image|>`` has id ``text
+  vocab_size`` (outside the LM head, inside the 8 extra embedding rows, as 128256
+  in the real model). Its tanh gates get random non-zero values (transformers
+  starts them at zero: an untrained model would ignore its images).
+
+A new model (Qwen2.5-VL, Gemma 3, ...) is one more spec: its config function, the
+tokens it adds, its processor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from vllm_hpu_mm.tools import tokenizer as tk
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """One tiny model; ``build_tiny_models`` does the rest the same for all."""
+
+    name: str  # directory name under --out
+    seed: int
+    model_class: str  # transformers class, instantiated from ``config``
+    config: Callable[[Any], Any]  # tokenizer -> transformers config
+    added_tokens: tuple[str, ...] = ()  # special tokens added to the shared ones
+    chat_template: str = tk.CHAT_TEMPLATE
+    processor: Callable[[Any], Any] | None = None  # tokenizer -> processor
+    post_init: Callable[[Any, int], None] | None = None  # (model, seed) after init
+    # Checkpoint name prefix changes from what save_pretrained writes to the
+    # layout released checkpoints use; empty when the two are the same.
+    released_layout: tuple[tuple[str, str], ...] = ()
+    version: int = 1  # bump to rebuild existing copies
+
+
+# Small, GQA (4 query heads, 2 KV heads of size 16). initializer_range is far
+# above the usual 0.02 so that random logits are spread out: greedy decoding
+# then moves from token to token instead of repeating one.
+BASE_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.25,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+def _special_ids(tok: Any) -> dict[str, Any]:
+    ids = tok.convert_tokens_to_ids
+    return {
+        "bos_token_id": ids(tk.BOS),
+        "eos_token_id": [ids(tk.EOS), ids(tk.EOT)],
+        "pad_token_id": ids(tk.PAD),
+    }
+
+
+def _text_config(config_cls: str, **extra: Any) -> Callable[[Any], Any]:
+    """tokenizer -> ``config_cls`` of the tiny Llama (plus ``extra``)."""
+
+    def build(tok: Any) -> Any:
+        import transformers
+
+        cls = getattr(transformers, config_cls)
+        return cls(**BASE_CONFIG, **extra, **_special_ids(tok), vocab_size=len(tok),
+                   dtype="float32")  # fmt: skip
+
+    return build
+
+
+def _llama_text(tok: Any) -> Any:
+    return _text_config("LlamaConfig", architectures=["LlamaForCausalLM"])(tok)
+
+
+# --- LLaVA ----------------------------------------------------------------------
+
+LLAVA_IMAGE_TOKEN = "<image>"
+LLAVA_IMAGE_SIZE = 32
+LLAVA_PATCH_SIZE = 8
+LLAVA_FEATURE_SELECT: Literal["default", "full"] = "default"
+# CLIP adds one CLS embedding; the "default" strategy drops it again.
+LLAVA_NUM_IMAGE_TOKENS = (LLAVA_IMAGE_SIZE // LLAVA_PATCH_SIZE) ** 2
+# transformers 5's CLIPVisionModel has no ``vision_model`` level (its loader
+# strips the prefix), so save_pretrained writes ``vision_tower.*``; llava-hf
+# checkpoints (and vLLM) say ``vision_tower.vision_model.*``.
+LLAVA_RELEASED_LAYOUT = (("vision_tower.", "vision_tower.vision_model."),)
+
+
+def _llava_config(tok: Any) -> Any:
+    from transformers import CLIPVisionConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        image_size=LLAVA_IMAGE_SIZE, patch_size=LLAVA_PATCH_SIZE, num_channels=3,
+        hidden_size=32, intermediate_size=64, projection_dim=32,
+        num_hidden_layers=2, num_attention_heads=2, hidden_act="quick_gelu",
+        layer_norm_eps=1e-5, dtype="float32",
+    )  # fmt: skip
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=_llama_text(tok),
+        image_token_index=tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+        image_seq_length=LLAVA_NUM_IMAGE_TOKENS,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=True,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy=LLAVA_FEATURE_SELECT,
+        tie_word_embeddings=False,
+        architectures=["LlavaForConditionalGeneration"],
+        dtype="float32",
+    )
+
+
+def _llava_processor(tok: Any) -> Any:
+    """``LlavaProcessor`` around the PIL CLIP image processor (no torchvision)."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    size = LLAVA_IMAGE_SIZE
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        ),
+        tokenizer=tok,
+        patch_size=LLAVA_PATCH_SIZE,
+        vision_feature_select_strategy=LLAVA_FEATURE_SELECT,
+        num_additional_image_tokens=1,  # CLIP's CLS embedding
+        chat_template=tok.chat_template,
+        image_token=LLAVA_IMAGE_TOKEN,
+    )
+
+
+# --- Idefics3 -------------------------------------------------------------------
+
+IDEFICS3_IMAGE_TOKEN = LLAVA_IMAGE_TOKEN  # "<image>", as in Idefics3Processor
+IDEFICS3_FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+IDEFICS3_GLOBAL_IMAGE_TOKEN = "<global-img>"
+IDEFICS3_END_OF_UTTERANCE = "<end_of_utterance>"
+# Tile tags of image splitting (off here); the released tokenizers have them.
+_ROW_COL_TOKENS = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
+IDEFICS3_IMAGE_SIZE = 32
+IDEFICS3_PATCH_SIZE = 4
+IDEFICS3_SCALE_FACTOR = 2
+_IDEFICS3_PATCHES = (IDEFICS3_IMAGE_SIZE // IDEFICS3_PATCH_SIZE) ** 2  # 64
+IDEFICS3_NUM_IMAGE_TOKENS = _IDEFICS3_PATCHES // IDEFICS3_SCALE_FACTOR**2  # 16
+# Token ids of one image: <fake><global-img> <image>*16 <fake>.
+IDEFICS3_NUM_PLACEHOLDER_TOKENS = IDEFICS3_NUM_IMAGE_TOKENS + 3
+
+
+def _idefics3_config(tok: Any) -> Any:
+    from transformers import Idefics3Config, Idefics3VisionConfig
+
+    vision = Idefics3VisionConfig(
+        image_size=IDEFICS3_IMAGE_SIZE, patch_size=IDEFICS3_PATCH_SIZE,
+        num_channels=3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+        # As wide as the text model's: different images give clearly different
+        # features (the default 0.02 leaves them nearly alike).
+        initializer_range=BASE_CONFIG["initializer_range"], dtype="float32",
+    )  # fmt: skip
+    # pad_token_id goes through **kwargs (Idefics3Config.__post_init__ takes it,
+    # with Idefics3-8B's 128002 as default).
+    pad: dict[str, Any] = {"pad_token_id": tok.convert_tokens_to_ids(tk.PAD)}
+    return Idefics3Config(
+        vision_config=vision,
+        text_config=_llama_text(tok),
+        image_token_id=tok.convert_tokens_to_ids(IDEFICS3_IMAGE_TOKEN),
+        scale_factor=IDEFICS3_SCALE_FACTOR,
+        tie_word_embeddings=False,
+        architectures=["Idefics3ForConditionalGeneration"],
+        dtype="float32",
+        **pad,
+    )
+
+
+def _idefics3_processor(tok: Any) -> Any:
+    """``Idefics3Processor`` around the PIL image processor, no image splitting."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(
+            size=edge, max_image_size=edge, do_image_splitting=False
+        ),
+        tokenizer=tok,
+        image_seq_len=IDEFICS3_NUM_IMAGE_TOKENS,
+        chat_template=tok.chat_template,
+    )
+    assert len(tok) == len(processor.tokenizer), "the processor added tokens"
+    return processor
+
+
+# --- Mllama ---------------------------------------------------------------------
+
+MLLAMA_IMAGE_TOKEN = "<|image|>"
+MLLAMA_TILE_SIZE = 32
+MLLAMA_MAX_NUM_TILES = 4
+_MLLAMA_INTERMEDIATE = [1, 2, 4]
+
+
+def _mllama_config(tok: Any) -> Any:
+    from transformers import MllamaConfig, MllamaTextConfig, MllamaVisionConfig
+
+    image_id = tok.convert_tokens_to_ids(MLLAMA_IMAGE_TOKEN)
+    assert image_id == len(tok) - 1, "<|image|> must be the last token"
+    vision = MllamaVisionConfig(
+        hidden_size=32, hidden_act="gelu", num_hidden_layers=5, num_global_layers=2,
+        attention_heads=2, intermediate_size=64,
+        vision_output_dim=32 * (1 + len(_MLLAMA_INTERMEDIATE)),
+        image_size=MLLAMA_TILE_SIZE, patch_size=8, max_num_tiles=MLLAMA_MAX_NUM_TILES,
+        intermediate_layers_indices=_MLLAMA_INTERMEDIATE, initializer_range=0.25,
+        norm_eps=1e-5, dtype="float32",
+    )  # fmt: skip
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }  # fmt: skip
+    text = MllamaTextConfig(
+        hidden_size=64, num_hidden_layers=5, cross_attention_layers=[1, 3],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        max_position_embeddings=2048, initializer_range=0.25, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=False, vocab_size=image_id,
+        **_special_ids(tok), dtype="float32",
+    )  # fmt: skip
+    return MllamaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_id,
+        architectures=["MllamaForConditionalGeneration"],
+        dtype="float32",
+    )
+
+
+def _mllama_processor(tok: Any) -> Any:
+    """``MllamaProcessor`` around the PIL image processor (no torchvision)."""
+    from transformers import MllamaImageProcessorPil, MllamaProcessor
+
+    image_processor = MllamaImageProcessorPil(
+        size={"height": MLLAMA_TILE_SIZE, "width": MLLAMA_TILE_SIZE},
+        max_image_tiles=MLLAMA_MAX_NUM_TILES,
+    )
+    return MllamaProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template
+    )
+
+
+def randomize_gates(model: Any, seed: int) -> None:
+    """Give every tanh gate a random value in [0.4, 1.0): non-zero, both signs."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("gate", "_gate", "gate_attn", "gate_ffn")):
+                mag = 0.4 + 0.6 * torch.rand(param.shape, generator=gen)
+                sign = torch.where(torch.rand(param.shape, generator=gen) < 0.2, -1, 1)
+                param.copy_(mag * sign)
+
+
+# --- the table ------------------------------------------------------------------
+
+LLAVA = TinyModelSpec(
+    name="tiny-llava",
+    seed=100,
+    model_class="LlavaForConditionalGeneration",
+    config=_llava_config,
+    added_tokens=(LLAVA_IMAGE_TOKEN,),
+    chat_template=tk.image_chat_template(LLAVA_IMAGE_TOKEN),
+    processor=_llava_processor,
+    version=2,
+)
+
+SPECS: tuple[TinyModelSpec, ...] = (
+    TinyModelSpec("tiny-llama", 0, "LlamaForCausalLM", _llama_text),
+    TinyModelSpec(
+        "tiny-mistral",
+        1,
+        "MistralForCausalLM",
+        _text_config(
+            "MistralConfig", sliding_window=16, architectures=["MistralForCausalLM"]
+        ),
+    ),
+    LLAVA,
+    # The same weights, tokenizer and processor in the llava-hf layout.
+    replace(LLAVA, name="tiny-llava-released", released_layout=LLAVA_RELEASED_LAYOUT),
+    TinyModelSpec(
+        name="tiny-idefics3",
+        seed=200,
+        model_class="Idefics3ForConditionalGeneration",
+        config=_idefics3_config,
+        added_tokens=(
+            IDEFICS3_FAKE_IMAGE_TOKEN,
+            IDEFICS3_IMAGE_TOKEN,
+            IDEFICS3_END_OF_UTTERANCE,
+            IDEFICS3_GLOBAL_IMAGE_TOKEN,
+            *_ROW_COL_TOKENS,
+        ),
+        chat_template=tk.image_chat_template(IDEFICS3_IMAGE_TOKEN),
+        processor=_idefics3_processor,
+        version=2,
+    ),
+    TinyModelSpec(
+        name="tiny-mllama",
+        seed=300,
+        model_class="MllamaForConditionalGeneration",
+        config=_mllama_config,
+        added_tokens=(MLLAMA_IMAGE_TOKEN,),
+        chat_template=tk.image_chat_template(MLLAMA_IMAGE_TOKEN),
+        processor=_mllama_processor,
+        post_init=randomize_gates,
+        version=2,
+    ),
+)

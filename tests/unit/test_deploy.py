@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from vllm_hpu_mm.config import HpuMMConfig
-from vllm_hpu_mm.platform_config import DEFAULT_BLOCK_SIZE
+from vllm_hpu_mm.platform_config import DEFAULT_BLOCK_SIZE, DEFAULT_SHUTDOWN_DRAIN_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
@@ -405,10 +405,23 @@ def test_recipe_cache_is_read_from_local_disk(
         volume_at(c, pod, recipes)[0]["name"],
         volume_at(c, pod, shared_dir)[0]["name"],
     }
-    # ... and the server writes its new recipes back once, when it stops.
-    save = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
-    assert f"cp -a {recipes}/. {shared_dir}/" in save
+    # ... and the server writes its new recipes back once, when it stops: to a
+    # staging directory renamed into place, so a copy cut short leaves no
+    # truncated recipe in the shared cache.
+    (save,) = c["lifecycle"]["preStop"]["exec"]["command"][2:]
+    staged = "/cache/.hpu-recipes.new"
+    assert f"cp -a {recipes}/. {staged}/" in save
+    assert f"mv {staged} {shared_dir}" in save
+    assert save.index("cp -a") < save.index(f"mv {staged}")
+    assert f"cp -a {recipes}/. {shared_dir}/" not in save  # never in place
+    bash = subprocess.run(["bash", "-n"], input=save, capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr
     assert local_mount != shared_mount
+    # The grace period covers the copy (the cache's size limit at 100 MB/s, a
+    # modest network volume) and then the server's SIGTERM drain.
+    size_mb = int(env_of(c)["PT_HPU_RECIPE_CACHE_CONFIG"].split(",")[2])
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace >= size_mb / 100 + DEFAULT_SHUTDOWN_DRAIN_S, grace
 
 
 def test_raycluster_pods_follow_habanas_guidance(

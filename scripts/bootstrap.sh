@@ -16,8 +16,10 @@ want=$(cat scripts/bootstrap.sh setup.cfg pyproject.toml "$LOCK" | sha256sum | c
 # The deploy tests render the manifests with the real kustomize, bundled in kubectl.
 if ! command -v kubectl >/dev/null 2>&1; then
     echo "bootstrap: kubectl not found; tests/unit/test_deploy.py renders with" \
-        "'kubectl kustomize' and will fail. Install kubectl >= 1.27 (kustomize v5)" \
-        "from your distribution's packages (Debian/Ubuntu: apt-get install kubectl)." >&2
+        "'kubectl kustomize' and will fail. Install kubectl >= 1.27 (kustomize v5):" \
+        "Debian's kubernetes-client (1.20, kustomize v2) is too old; add Kubernetes' apt repository" \
+        "(https://pkgs.k8s.io, see kubernetes.io/docs/tasks/tools) or the Google Cloud" \
+        "SDK's, then apt-get install kubectl." >&2
 fi
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then

@@ -9,6 +9,7 @@ exception that would kill the engine.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -200,8 +201,6 @@ def _set_worker_start_method(device_type: str) -> None:
     """Start HPU engine and worker processes with ``spawn``, as the official
     Gaudi plugin does (fork "might cause application hangs on exit"); an
     operator's explicit choice is kept, with a warning for ``fork``."""
-    import os
-
     if device_type != "hpu":
         return
     given = os.environ.get(MULTIPROC_METHOD_ENV)

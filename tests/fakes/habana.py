@@ -18,10 +18,13 @@ PyTorch (summarised in docs/gaudi.md):
   DeepSpeed went back and forth (#5255, #7545; ``hpu:0`` in #7497). A process
   drives one card, so only ``hpu`` / ``hpu:0`` name it: the fake
   ``set_device`` refuses ``hpu:N`` for N > 0 (the plugin never needs an index).
-- Card per rank. vllm-gaudi #788 / #1047 and HabanaAI/vllm-fork #1198 / #1915
-  tie the module to the local rank through ``HABANA_VISIBLE_MODULES``: with the
-  first free card, the rank-to-module mapping follows process start order,
-  which breaks HCCL for world sizes above 4 on 8-card Gaudi2 nodes.
+- Card per rank. With the first free card, the rank-to-module mapping follows
+  process start order, which breaks HCCL for world sizes above 4 on 8-card
+  Gaudi2 nodes (vllm-gaudi #788 "Set device according to local rank", which
+  tied the module to the local rank through ``HABANA_VISIBLE_MODULES``; it was
+  reverted in #946 and vllm-gaudi 091bbad leaves the card to the runtime;
+  HabanaAI/vllm-fork #1198 / #1915). The fake hands out the first free visible
+  card, as the runtime does; the per-rank rule is the plugin's own.
 - Lazy vs eager. ``habana_frameworks.torch.utils.internal.is_lazy()`` reports
   ``PT_HPU_LAZY_MODE`` as read when ``habana_frameworks.torch`` was imported
   (optimum-habana: "PT_HPU_LAZY_MODE=0 needs to be set before library is

@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from vllm_hpu_mm.config import HpuMMConfig
-from vllm_hpu_mm.platform_config import DEFAULT_BLOCK_SIZE
+from vllm_hpu_mm.platform_config import DEFAULT_BLOCK_SIZE, DEFAULT_SHUTDOWN_DRAIN_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
@@ -178,16 +178,19 @@ def dockerfile_arg(name: str) -> str:
 
 
 def test_dockerfile_defaults_satisfy_every_torch_pin_of_the_lock() -> None:
-    # The image keeps Habana's torch (PT_VERSION, e.g. 2.11.0a0 from Habana's
-    # build) and installs everything else from requirements/lock.txt: every
-    # locked package that constrains torch must accept that version, or the
-    # build stops in pip's resolver. Read from the installed packages' metadata.
+    # The image keeps Habana's torch (PT_VERSION) and installs everything else
+    # from requirements/lock.txt: every locked package that constrains torch
+    # must accept that version, or the build stops in pip's resolver. Habana's
+    # build reports a local version (Gaudi 1.21.1: 2.6.0+hpu_1.21.1-16.gitabf798b)
+    # or, from source, an a0 pre-release: both forms must pass. Read from the
+    # installed packages' metadata.
     from importlib.metadata import PackageNotFoundError, distribution
 
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    habana_torch = Version(dockerfile_arg("PT_VERSION") + "a0")  # Habana's tag
+    pt, gaudi = dockerfile_arg("PT_VERSION"), dockerfile_arg("GAUDI_VERSION")
+    forms = [Version(f"{pt}a0"), Version(f"{pt}+hpu_{gaudi}")]
     locked = re.findall(
         r"^([A-Za-z0-9_.-]+)==", (REPO_ROOT / "requirements/lock.txt").read_text(), re.M
     )
@@ -203,17 +206,18 @@ def test_dockerfile_defaults_satisfy_every_torch_pin_of_the_lock() -> None:
                 bounds.append((name, req.specifier))
     assert bounds, "no locked package constrains torch: the check checks nothing"
     too_old = [
-        (name, str(spec))
+        (name, str(spec), str(habana_torch))
         for name, spec in bounds
+        for habana_torch in forms
         if not spec.contains(habana_torch, prereleases=True)
     ]
     assert not too_old, (
-        f"PT_VERSION={dockerfile_arg('PT_VERSION')} is below what {too_old} "
+        f"PT_VERSION={pt} is outside what {too_old} "
         "require: pick a newer Gaudi software release (docs/deploy.md)"
     )
     # vLLM 0.33 itself needs torch >= 2.10 (built with VLLM_TARGET_DEVICE=empty
     # it declares no torch requirement, so the lock's pins above carry it).
-    assert habana_torch >= Version("2.10.0a0")
+    assert min(forms) >= Version("2.10.0a0")
 
 
 def test_dockerignore_lets_the_copied_paths_through() -> None:
@@ -405,10 +409,23 @@ def test_recipe_cache_is_read_from_local_disk(
         volume_at(c, pod, recipes)[0]["name"],
         volume_at(c, pod, shared_dir)[0]["name"],
     }
-    # ... and the server writes its new recipes back once, when it stops.
-    save = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
-    assert f"cp -a {recipes}/. {shared_dir}/" in save
+    # ... and the server writes its new recipes back once, when it stops: to a
+    # staging directory renamed into place, so a copy cut short leaves no
+    # truncated recipe in the shared cache.
+    (save,) = c["lifecycle"]["preStop"]["exec"]["command"][2:]
+    staged = "/cache/.hpu-recipes.new"
+    assert f"cp -a {recipes}/. {staged}/" in save
+    assert f"mv {staged} {shared_dir}" in save
+    assert save.index("cp -a") < save.index(f"mv {staged}")
+    assert f"cp -a {recipes}/. {shared_dir}/" not in save  # never in place
+    bash = subprocess.run(["bash", "-n"], input=save, capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr
     assert local_mount != shared_mount
+    # The grace period covers the copy (the cache's size limit at 100 MB/s, a
+    # modest network volume) and then the server's SIGTERM drain.
+    size_mb = int(env_of(c)["PT_HPU_RECIPE_CACHE_CONFIG"].split(",")[2])
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace >= size_mb / 100 + DEFAULT_SHUTDOWN_DRAIN_S, grace
 
 
 def test_raycluster_pods_follow_habanas_guidance(

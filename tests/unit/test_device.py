@@ -342,7 +342,7 @@ def test_register_propagates_forced_device_error(
 
 # ---- design rule ---------------------------------------------------------------
 
-_DEVICE_SPECIFIC = re.compile(r"habana_frameworks|torch\s*\.\s*cuda")
+_DEVICE_SPECIFIC = re.compile(r"habana_frameworks|torch\s*\.\s*(cuda|hpu)\b")
 
 
 def _package_sources() -> list[Path]:
@@ -366,10 +366,12 @@ def test_only_device_module_touches_habana_or_torch_cuda() -> None:
                 rel = path.relative_to(REPO_ROOT)
                 offenders.append(f"{rel}:{lineno}: {line.strip()}")
     assert not offenders, (
-        "only vllm_hpu_mm/device.py may mention habana_frameworks or torch.cuda; "
+        "only vllm_hpu_mm/device.py may mention habana_frameworks, torch.cuda or "
+        "torch.hpu; "
         "go through vllm_hpu_mm.device instead:\n" + "\n".join(offenders)
     )
-    # The scan is not vacuous: device.py itself does mention both.
+    # The scan is not vacuous: device.py itself mentions all three.
     text = device_py.read_text()
     assert "habana_frameworks" in text
     assert "torch.cuda" in text
+    assert "torch.hpu" in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -270,6 +271,16 @@ def test_the_fake_rope_wants_full_width_cos_sin() -> None:
 def test_registered_ropes_use_the_fused_kernel(
     habana: FakeHabana, vllm_ops: list[str]
 ) -> None:
+    # Count the kernel's calls: forward_oot falls back to forward_native when it
+    # has no kernel, so equal outputs alone would not show the kernel ran.
+    calls: list[int] = []
+
+    def counting_rope(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return fake_apply_rotary_pos_emb(*args, **kwargs)
+
+    kernels = habana.modules["habana_frameworks.torch.hpex.kernels"]
+    kernels.apply_rotary_pos_emb = counting_rope  # type: ignore[attr-defined]
     register_fused_ops()
     rope = RotaryEmbedding(16, 16, 64, 10000.0, True, torch.float32)
     llama3 = Llama3RotaryEmbedding(
@@ -280,8 +291,11 @@ def test_registered_ropes_use_the_fused_kernel(
     positions = torch.tensor([1, 2, 40])
     for layer in (rope, llama3):
         assert layer._forward_method == layer.forward_oot
+        assert layer.fused_kernel is not None
         q, k = torch.randn(3, 32), torch.randn(3, 16)
+        before = len(calls)
         got = layer(positions, q.clone(), k.clone())
+        assert len(calls) == before + 2  # query and key
         want = layer.forward_native(positions, q.clone(), k.clone())
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1], want[1])

@@ -9,6 +9,7 @@ HF baseline.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -185,8 +186,6 @@ def test_select_card_leaves_other_devices_alone(
     monkeypatch.setenv(VISIBLE_MODULES_ENV, "0,1")
     assert device.select_card(1, 2) is None  # the CPU host of this test
     assert device.claim_device(1, 2) == torch.device("cpu")
-    import os
-
     assert os.environ[VISIBLE_MODULES_ENV] == "0,1"
 
 
@@ -236,8 +235,6 @@ def test_hpu_workers_are_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_explicit_fork_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MULTIPROC_METHOD_ENV, "fork")
     _set_worker_start_method("hpu")
-    import os
-
     assert os.environ[MULTIPROC_METHOD_ENV] == "fork"
 
 
@@ -245,8 +242,6 @@ def test_cpu_workers_keep_vllms_default(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv(MULTIPROC_METHOD_ENV, "x")
     monkeypatch.delenv(MULTIPROC_METHOD_ENV)
     _set_worker_start_method("cpu")
-    import os
-
     assert MULTIPROC_METHOD_ENV not in os.environ
 
 

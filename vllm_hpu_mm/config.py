@@ -106,8 +106,8 @@ _REMOVED = {  # key -> why it is gone
 
 
 def _field_at(cls: Any, loc: tuple[Any, ...]) -> tuple[str, Any]:
-    """(dotted key, FieldInfo or None) of the setting ``loc`` points into; an
-    index into a list stops the walk at the list."""
+    """(dotted key, FieldInfo or None) of the setting ``loc`` points into (a list's
+    index stops the walk at the list)."""
     key, info = cls._KEY, None
     for part in loc:
         if part not in getattr(cls, "model_fields", {}):
@@ -216,15 +216,14 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def _read_yaml(key: str, value: str, sources: _Sources) -> tuple[Path, Any]:
-    """The file setting ``key`` names and what it holds ({} if empty, a single
-    top-level ``hpu_mm:`` unwrapped). A relative path is tried against cwd, the
-    folder of the YAML file that set it, then the repository's configs/."""
-    name, dirs = Path(value).expanduser(), [Path.cwd(), sources.of(key).base_dir]
-    tried = (
-        [name] if name.is_absolute() else [d / name for d in [*dirs, CONFIGS_DIR] if d]
-    )
-    tried = list(dict.fromkeys(tried))
+def _read_yaml(
+    key: str, value: str, sources: _Sources, what: str
+) -> tuple[Path, Mapping[str, Any]]:
+    """The file setting ``key`` names and the mapping of ``what`` it holds ({} if
+    empty, a single top-level ``hpu_mm:`` unwrapped). A relative path is tried
+    against cwd, the folder of the YAML file that set it, then configs/."""
+    dirs = [Path.cwd(), sources.of(key).base_dir, CONFIGS_DIR]  # dir / "/abs" is "/abs"
+    tried = list(dict.fromkeys(d / Path(value).expanduser() for d in dirs if d))
     path = next((p.resolve() for p in tried if p.is_file()), None)
     if path is None:
         problem = "names no file; tried " + ", ".join(map(str, tried))
@@ -237,7 +236,10 @@ def _read_yaml(key: str, value: str, sources: _Sources) -> tuple[Path, Any]:
         raise sources.error(key, value, f"{what} ({path}): {exc}") from exc
     if isinstance(data, Mapping) and set(data) == {ROOT_KEY}:
         data = data[ROOT_KEY]
-    return path, {} if data is None else data
+    if not isinstance(data := {} if data is None else data, Mapping):
+        problem = f"must hold a mapping of {what}; {path} holds {data!r:.80}"
+        raise sources.error(key, value, problem)
+    return path, data
 
 
 _Buckets = Annotated[  # a YAML list of positive ints, kept sorted and unique
@@ -289,8 +291,7 @@ class BucketingConfig(_Section):
     """Step between KV-cache block-count buckets."""
     fallback_max_pad_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """For a shape that no warmed-up bucket fits: pad it to at most this many times its
-    real size. A shape beyond that runs at a new size, which is compiled on first
-    use."""
+    real size. A shape beyond that runs at a new size, compiled on first use."""
 
     @property
     def buckets(self) -> ExplicitBuckets | None:
@@ -310,10 +311,7 @@ class BucketingConfig(_Section):
             problem = f"needs {key}, a YAML file with the bucket lists "
             problem += "(see configs/buckets-example.yaml)"
             raise sources.error(f"{self._KEY}.strategy", self.strategy, problem)
-        path, data = _read_yaml(key, self.file, sources)
-        if not isinstance(data, Mapping):
-            problem = f"must hold a mapping of bucket lists; {path} holds {data!r}"
-            raise sources.error(key, self.file, problem)
+        path, data = _read_yaml(key, self.file, sources, "bucket lists")
         inner = _Sources([_Source(f"from {path}, the {key}", data)])
         self._buckets = ExplicitBuckets._parse(data, inner)
         self.__dict__["file"] = str(path)  # frozen for users; the resolved path
@@ -389,10 +387,10 @@ class HpuMMConfig(_Section):
             return cls()
         for other in map(str, additional_config):
             if other != ROOT_KEY and other.lower().replace("-", "_") == ROOT_KEY:
-                hint = f"is not read by vllm-hpu-mm; did you mean {ROOT_KEY!r}?"
-                raise ConfigError(
-                    f"--additional-config key {other!r} {hint}", key=other
+                problem = (
+                    f"--additional-config key {other!r} is not read by vllm-hpu-mm"
                 )
+                raise ConfigError(f"{problem}; did you mean {ROOT_KEY!r}?", key=other)
         if (data := additional_config.get(ROOT_KEY)) is None:
             return cls()
         return cls.from_mapping(data, source="--additional-config")
@@ -403,14 +401,10 @@ class HpuMMConfig(_Section):
         messages). A ``config_file`` is read first; the keys of ``data`` override
         its keys (nested sections merge key by key)."""
         sources = _Sources([_Source(f"from {source}", {ROOT_KEY: data})])
-        if isinstance(data, Mapping) and isinstance(
-            name := data.get("config_file"), str
-        ):
+        name = data.get("config_file") if isinstance(data, Mapping) else None
+        if isinstance(name, str):
             key = f"{ROOT_KEY}.config_file"
-            path, file_data = _read_yaml(key, name, sources)
-            if not isinstance(file_data, Mapping):
-                problem = f"must hold a mapping of settings; {path} holds {file_data!r}"
-                raise sources.error(key, name, problem)
+            path, file_data = _read_yaml(key, name, sources, "settings")
             if "config_file" in file_data:
                 problem = f"{path} sets config_file itself; config files do not nest"
                 raise sources.error(key, name, problem)

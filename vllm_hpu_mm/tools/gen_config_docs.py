@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_hpu_mm.config import ExplicitBuckets, HpuMMConfig, _Section, describe_keys
+from vllm_hpu_mm.config import ExplicitBuckets, HpuMMConfig, describe_keys
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -159,20 +159,14 @@ def _bounds(prop: dict[str, Any]) -> str:
     return f" ≥ {low}" if low is not None else ""
 
 
-def table(cls: type[_Section], defaults: bool) -> str:
+def table(cls: type[HpuMMConfig | ExplicitBuckets], defaults: bool) -> str:
     """One row per key of ``cls``: key, type and bounds, default, description."""
     head = ["Key", "Type", *(["Default"] if defaults else []), "Meaning"]
     rows = [head, ["---"] * len(head)]
     for key, prop in describe_keys(cls):
         default = [f"`{json.dumps(prop['default'])}`"] if defaults else []
-        rows.append(
-            [
-                f"`{key}`",
-                f"`{_type(prop)}`{_bounds(prop)}",
-                *default,
-                prop["description"],
-            ]
-        )
+        kind = f"`{_type(prop)}`{_bounds(prop)}"
+        rows.append([f"`{key}`", kind, *default, prop["description"]])
     cells = ([" ".join(c.split()).replace("|", "\\|") for c in row] for row in rows)
     return "".join(f"| {' | '.join(row)} |\n" for row in cells)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import logging
 import operator
-import re
 import typing
 from collections.abc import Iterator, Mapping
 from functools import reduce
@@ -83,18 +82,18 @@ def _suggest(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-_PROBLEMS = {  # pydantic's error type -> our words, formatted with its ctx
-    "bool_type": "must be true or false",
-    "int_type": "must be an integer",
-    "float_type": "must be a number",
-    "string_type": "must be a string",
+_PROBLEMS = {  # pydantic's error type -> our words; {...} filled in by _problem
+    "bool_type": "must be true or false{null}",
+    "int_type": "must be an integer{null}{bool}",
+    "float_type": "must be a number{null}{bool}",
+    "string_type": "must be a string{null}",
     "tuple_type": "must be a list of integers",
     "model_type": "must be a mapping of settings",
     "finite_number": "must be a finite number",
     "too_short": "must not be empty",
     "greater_than_equal": "is out of range: {every}must be >= {ge}",
     "less_than_equal": "is out of range: {every}must be <= {le}",
-    "literal_error": "is not one of {choices}",
+    "literal_error": "is not one of {choices}{suggest}",
     "value_error": "{error}",  # a ValueError raised by a validator below
 }
 _REMOVED = {  # key -> why it is gone
@@ -118,20 +117,16 @@ def _field_at(cls: Any, loc: tuple[Any, ...]) -> tuple[str, Any]:
 
 
 def _problem(err: Any, info: Any) -> str:
-    kind, value = err["type"], err["input"]
-    choices = typing.get_args(getattr(info, "annotation", None))
-    text = _PROBLEMS.get(kind, err["msg"]).format(
+    """What is wrong with the value of one pydantic error, and what is allowed."""
+    value, choices = err["input"], typing.get_args(getattr(info, "annotation", None))
+    return _PROBLEMS.get(err["type"], err["msg"]).format(
         **err.get("ctx", {}),
         every="every item " if any(isinstance(p, int) for p in err["loc"]) else "",
         choices=", ".join(map(repr, choices)),
+        suggest=_suggest(value, list(choices)) if isinstance(value, str) else "",
+        null=" or null" if getattr(info, "default", 0) is None else "",
+        bool=" (true/false is not a number)" if isinstance(value, bool) else "",
     )
-    if kind == "literal_error" and isinstance(value, str):
-        text += _suggest(value, list(choices))
-    if kind.endswith("_type") and getattr(info, "default", 0) is None:
-        text += " or null"
-    if kind in ("int_type", "float_type") and isinstance(value, bool):
-        text += " (true/false is not a number)"
-    return text
 
 
 def _translate(cls: Any, exc: ValidationError, sources: _Sources) -> ConfigError:
@@ -195,10 +190,11 @@ class _Section(BaseModel):
 class _YamlLoader(yaml.SafeLoader):
     """YAML 1.2 booleans (``strategy: off`` is the string "off"), no duplicate keys."""
 
-    yaml_implicit_resolvers = {  # SafeLoader's, less YAML 1.1's yes/no/on/off
-        first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        tag = super().resolve(kind, value, implicit)
+        if tag == "tag:yaml.org,2002:bool" and value.lower() not in ("true", "false"):
+            return "tag:yaml.org,2002:str"  # YAML 1.1's yes/no/on/off
+        return tag
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
@@ -207,13 +203,6 @@ class _YamlLoader(yaml.SafeLoader):
                 mark, problem = node.value[i][0].start_mark, f"duplicate key {key!r}"
                 raise yaml.constructor.ConstructorError(None, None, problem, mark)
         return super().construct_mapping(node, deep=deep)
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool",
-    re.compile("^(?:[Tt]rue|TRUE|[Ff]alse|FALSE)$"),
-    list("tTfF"),
-)
 
 
 def _read_yaml(

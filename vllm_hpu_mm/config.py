@@ -427,8 +427,7 @@ def load_plugin_config(vllm_config: Any) -> HpuMMConfig:
 
 
 class KeyInfo(NamedTuple):
-    """One settable key: its dotted name and its JSON schema (type, bounds, default,
-    description) as pydantic writes it."""
+    """A settable key: dotted name and pydantic's JSON schema of its field."""
 
     key: str
     schema: dict[str, Any]

@@ -1,8 +1,9 @@
 """Write ``docs/configuration.md`` from the settings models in ``vllm_hpu_mm.config``.
 
-The tables come from the models (key, type, bounds, default, description); the
-prose around them lives here. ``--check`` exits 1 if the committed page differs
-from what would be written (the unit tests run the same comparison).
+The tables come from the models' JSON schema (pydantic's ``model_json_schema``:
+type, bounds, default, description); the prose around them lives here.
+``--check`` exits 1 if the committed page differs from what would be written
+(the unit tests run the same comparison).
 
 Usage: ``python -m vllm_hpu_mm.tools.gen_config_docs [--check] [--out PATH]``
 """

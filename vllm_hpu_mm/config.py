@@ -1,71 +1,32 @@
 """The plugin's own settings: one typed, frozen tree, checked once.
 
-Users set them through vLLM's ``--additional-config`` under the key ``hpu_mm``::
-
-    vllm serve MODEL --additional-config \\
-        '{"hpu_mm": {"graph_mode": "eager", "warmup": {"skip": true}}}'
-
-and optionally from a YAML file named by ``hpu_mm.config_file``; keys given
-inline override the file's. ``docs/configuration.md`` lists every key; it is
-generated from the models below (``python -m vllm_hpu_mm.tools.gen_config_docs``).
-
-The tree is frozen pydantic models in strict mode: pydantic checks types and
-ranges, this module turns its errors into one ``ConfigError`` that names the
-dotted key, the value, where the value came from and what is allowed. Adding a
-key means adding a field with a ``description``.
-
-This module imports nothing from vLLM or torch: it is plain Python, pydantic
-and PyYAML.
+Set through vLLM's ``--additional-config`` under ``hpu_mm`` and optionally a YAML
+file named by ``hpu_mm.config_file`` (inline keys override the file's). Frozen,
+strict pydantic models check types, ranges and choices; this module words the
+first error as a ``ConfigError`` naming the dotted key, the value, where it came
+from and what is allowed. ``docs/configuration.md`` is generated from the models'
+JSON schema. Plain Python, pydantic and PyYAML: nothing from vLLM or torch.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
-import re
+import operator
 import typing
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Self
 
+import pydantic
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    Strict,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
-from pydantic.fields import FieldInfo
-
-__all__ = [
-    "CONFIGS_DIR",
-    "ROOT_KEY",
-    "BucketingConfig",
-    "ConfigError",
-    "ExplicitBuckets",
-    "HpuMMConfig",
-    "KeyInfo",
-    "MemoryConfig",
-    "WarmupConfig",
-    "describe_keys",
-    "load_explicit_buckets",
-    "load_plugin_config",
-]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger("vllm_hpu_mm.config")
 
-ROOT_KEY = "hpu_mm"
-"""The key of ``--additional-config`` that holds this plugin's settings."""
-
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-"""The repository's ``configs/`` folder: the last place relative paths are tried."""
+ROOT_KEY = "hpu_mm"  # the key of --additional-config that holds these settings
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"  # tried last
 
 
 class ConfigError(ValueError):
@@ -76,163 +37,120 @@ class ConfigError(ValueError):
         self.key = key
 
 
-# -- where each key's value came from (messages, relative paths) ---------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Origin:
+class _Source(NamedTuple):
     label: str  # "from --additional-config", "from /abs/x.yaml", ...
-    base_dir: Path | None = None  # the YAML file's folder, for relative paths
+    data: Any = None  # the settings it gave, nested as their dotted keys are
+    base_dir: Path | None = None  # a YAML file's folder, for relative paths
 
 
-@dataclass(frozen=True, slots=True)
-class _Origins:
-    """Dotted key -> origin, for one parse; keys nobody set are defaults."""
+class _Sources(tuple[_Source, ...]):
+    """Where settings came from: a key's source is the first that sets it, the
+    last one stands for all other keys ("default", "set in Python code")."""
 
-    by_key: Mapping[str, _Origin] = field(default_factory=dict)
-    fallback: _Origin = _Origin("set in Python code")
+    def of(self, key: str) -> _Source:
+        for source in self[:-1]:
+            try:
+                reduce(operator.getitem, filter(None, key.split(".")), source.data)
+            except (KeyError, TypeError):
+                continue
+            return source
+        return self[-1]
 
-    def of(self, key: str) -> _Origin:
-        return self.by_key.get(key, self.fallback)
+    def error(self, key: str, value: Any, problem: str, doc: str = "") -> ConfigError:
+        """``KEY = VALUE (SOURCE) PROBLEM [NAME: first sentence of DOC]``."""
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        message = f"{key} = {shown} ({self.of(key).label}) {problem}"
+        if brief := " ".join(doc.split()).split(". ")[0].rstrip("."):
+            brief = brief[0].lower() + brief[1:] if brief[1:2].islower() else brief
+            message += f" [{key.rsplit('.', 1)[-1]}: {brief}]"
+        return ConfigError(message, key=key)
 
 
-def _origins_of(info: ValidationInfo) -> _Origins:
-    return info.context if isinstance(info.context, _Origins) else _Origins()
-
-
-def _record(out: dict[str, _Origin], key: str, data: Any, origin: _Origin) -> None:
-    out[key] = origin
-    if isinstance(data, Mapping):
-        for name, value in data.items():
-            _record(out, _join(key, name), value, origin)
+_PYTHON = _Sources([_Source("set in Python code")])
 
 
 def _join(prefix: str, name: object) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _error(
-    key: str, value: Any, problem: str, origins: _Origins, doc: str | None = None
-) -> ConfigError:
-    """``KEY = VALUE (SOURCE) PROBLEM [NAME: DOC]`` as one ConfigError."""
-    message = f"{key} = {_show(value)} ({origins.of(key).label}) {problem}"
-    if doc:
-        message += f" [{key.rsplit('.', 1)[-1]}: {_brief(doc)}]"
-    return ConfigError(message, key=key)
-
-
-def _brief(doc: str) -> str:
-    """A field's description cut to its first sentence, for error messages."""
-    first = " ".join(doc.split()).split(". ")[0].rstrip(".")
-    return first[:1].lower() + first[1:]
-
-
 def _suggest(word: str, choices: list[str]) -> str:
-    """'; did you mean X?' for the choice nearest ``word`` (same but for case,
-    the only one it begins, else the closest by difflib), or ''."""
-    lower = word.lower()
-    close = [c for c in choices if c.lower() == lower]
-    close = close or [c for c in choices if lower and c.lower().startswith(lower)]
+    """'; did you mean X?' for the one choice ``word`` begins (any case), else
+    the closest by difflib, else ''."""
+    close = [c for c in choices if word and c.lower().startswith(word.lower())]
     if len(close) != 1:
-        close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(word, choices, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-# -- pydantic's errors in our words ------------------------------------------------
-
-_EXPECTED = {  # pydantic error type -> what is allowed
-    "bool_type": "true or false",
-    "int_type": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "string_type": "a string",
-    "tuple_type": "a list of integers",
+_PROBLEMS = {  # pydantic's error type -> our words; {...} filled in by _problem
+    "bool_type": "must be true or false{null}",
+    "int_type": "must be an integer{null}{bool}",
+    "float_type": "must be a number{null}{bool}",
+    "string_type": "must be a string{null}",
+    "tuple_type": "must be a list of integers",
+    "model_type": "must be a mapping of settings",
+    "finite_number": "must be a finite number",
+    "too_short": "must not be empty",
+    "greater_than_equal": "is out of range: {every}must be >= {ge}",
+    "less_than_equal": "is out of range: {every}must be <= {le}",
+    "literal_error": "is not one of {choices}{suggest}",
+    "value_error": "{error}",  # a ValueError raised by a validator below
+}
+_REMOVED = {  # key -> why it is gone
+    f"{ROOT_KEY}.mm_encoder_cache_items": ": it was removed, because vLLM's scheduler "
+    "decides which encoder outputs stay cached (its encoder cache is sized in "
+    "embeddings from --max-num-batched-tokens) and the worker must keep each one "
+    "until the scheduler frees it."
 }
 
 
 def _field_at(cls: Any, loc: tuple[Any, ...]) -> tuple[str, Any]:
-    """(dotted key, FieldInfo or None) of the setting that ``loc`` points into;
-    an index into a list stops the walk at the list."""
+    """(dotted key, FieldInfo or None) of the setting ``loc`` points into (a list's
+    index stops the walk at the list)."""
     key, info = cls._KEY, None
     for part in loc:
-        fields = getattr(cls, "model_fields", {})
-        if part not in fields:
+        if part not in getattr(cls, "model_fields", {}):
             break
-        info = fields[part]
+        info = cls.model_fields[part]
         key, cls = _join(key, part), info.annotation
     return key, info
 
 
 def _problem(err: Any, info: Any) -> str:
     """What is wrong with the value of one pydantic error, and what is allowed."""
-    kind, value, ctx = err["type"], err["input"], err.get("ctx") or {}
-    in_list = isinstance(err["loc"][-1], int)
-    if kind == "literal_error":
-        choices = typing.get_args(info.annotation)
-        text = "is not one of " + ", ".join(repr(c) for c in choices)
-        return text + (_suggest(value, list(choices)) if isinstance(value, str) else "")
-    if kind in ("greater_than_equal", "less_than_equal"):
-        bound = f">= {ctx['ge']}" if "ge" in ctx else f"<= {ctx['le']}"
-        what = "every item must be" if in_list else "must be"
-        return f"is out of range: {what} {bound}"
-    if kind in ("model_type", "dict_type"):
-        return "must be a mapping of settings"
-    if kind == "finite_number":
-        return "must be a finite number"
-    if kind == "too_short":
-        return "must not be empty"
-    allowed = _EXPECTED.get(kind, err["msg"])
-    if info is not None and not info.is_required() and info.default is None:
-        allowed += " or null"
-    number = kind in ("int_type", "int_from_float", "float_type")
-    why = " (true/false is not a number)" if number and isinstance(value, bool) else ""
-    return f"must be {allowed}{why}"
+    value, choices = err["input"], typing.get_args(getattr(info, "annotation", None))
+    return _PROBLEMS.get(err["type"], err["msg"]).format(
+        **err.get("ctx", {}),
+        every="every item " if any(isinstance(p, int) for p in err["loc"]) else "",
+        choices=", ".join(map(repr, choices)),
+        suggest=_suggest(value, list(choices)) if isinstance(value, str) else "",
+        null=" or null" if getattr(info, "default", 0) is None else "",
+        bool=" (true/false is not a number)" if isinstance(value, bool) else "",
+    )
 
 
-def _translate(cls: Any, exc: ValidationError, origins: _Origins) -> ConfigError:
-    """The first of pydantic's errors as a ConfigError."""
+def _translate(cls: Any, exc: ValidationError, sources: _Sources) -> ConfigError:
+    """The first of pydantic's errors (missing keys first) as one ConfigError."""
     errors = exc.errors(include_url=False)
-    for err in errors:  # our own validators' errors come back as they were
-        if isinstance((err.get("ctx") or {}).get("error"), ConfigError):
-            return err["ctx"]["error"]  # type: ignore[no-any-return]
+    for err in errors:  # a validator's own ConfigError comes back as it was
+        if isinstance(own := err.get("ctx", {}).get("error"), ConfigError):
+            return own
+    missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing"]
     err = next((e for e in errors if e["type"] == "missing"), errors[0])
-    loc = tuple(err["loc"])
-    if err["type"] in ("missing", "extra_forbidden"):
-        prefix, info = _field_at(cls, loc[:-1])
-        section = info.annotation if info is not None else cls
-        where, key = prefix or "the bucket file", _join(prefix, loc[-1])
-        if err["type"] == "missing":
-            names = [str(e["loc"][-1]) for e in errors if e["type"] == "missing"]
-            return ConfigError(
-                f"{where} ({origins.of(prefix).label}) is missing required "
-                f"key(s): {', '.join(names)}",
-                key=key,
-            )
-        known = list(section.model_fields)
-        return ConfigError(
-            f"{key} ({origins.of(key).label}) is not a known key"
-            + (_REMOVED.get(key) or _suggest(str(loc[-1]), known) or ".")
-            + f" Known keys of {where}: {', '.join(known)}.",
-            key=key,
-        )
-    key, info = _field_at(cls, loc)
-    doc = info.description if info is not None else None
-    return _error(key, err["input"], _problem(err, info), origins, doc)
-
-
-_REMOVED = {
-    f"{ROOT_KEY}.mm_encoder_cache_items": (
-        ": it was removed, because vLLM's scheduler decides which encoder outputs "
-        "stay cached (its encoder cache is sized in embeddings from "
-        "--max-num-batched-tokens) and the worker must keep each one until the "
-        "scheduler frees it."
-    ),
-}
+    if err["type"] not in ("missing", "extra_forbidden"):
+        key, info = _field_at(cls, err["loc"])
+        doc = getattr(info, "description", None) or ""
+        return sources.error(key, err["input"], _problem(err, info), doc)
+    prefix, info = _field_at(cls, err["loc"][:-1])
+    where, key = prefix or "the bucket file", _join(prefix, err["loc"][-1])
+    if missing:
+        label = sources.of(prefix).label
+        message = f"{where} ({label}) is missing required key(s): {', '.join(missing)}"
+        return ConfigError(message, key=key)
+    known = list(getattr(info, "annotation", cls).model_fields)
+    hint = _REMOVED.get(key) or _suggest(str(err["loc"][-1]), known) or "."
+    message = f"{key} ({sources.of(key).label}) is not a known key{hint} "
+    return ConfigError(f"{message}Known keys of {where}: {', '.join(known)}.", key=key)
 
 
 class _Section(BaseModel):
@@ -241,28 +159,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True
     )
-    _KEY: ClassVar[str] = ""
+    _KEY: ClassVar[str] = ""  # the dotted key of this section
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise _translate(type(self), exc, _Origins()) from None
+            raise _translate(type(self), exc, _PYTHON) from None
 
-    # Tells pydantic this __init__ only wraps its own: validation (nested
-    # sections, model_validate) then builds instances directly, keeping its
-    # context (the origins) instead of calling __init__ with the data.
+    # Tells pydantic this __init__ only wraps its own, so nested sections and
+    # model_validate build instances directly, keeping the context (the sources).
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     @classmethod
-    def _parse(cls, data: Any, origins: _Origins) -> Self:
-        """``cls`` from plain data, with ``origins`` naming where each key came from."""
-        if not isinstance(data, Mapping):
-            raise _error(cls._KEY, data, "must be a mapping of settings", origins)
+    def _parse(cls, data: Any, sources: _Sources) -> Self:
         try:
-            return cls.model_validate(data, context=origins)
+            return cls.model_validate(data, context=sources)
         except ValidationError as exc:
-            raise _translate(cls, exc, origins) from None
+            raise _translate(cls, exc, sources) from None
 
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes``, validated like any other instance."""
@@ -273,84 +187,63 @@ class _Section(BaseModel):
         return self.model_dump(mode="json")
 
 
-# -- YAML: YAML 1.2 booleans (`strategy: off` is the string "off"), no duplicate keys
-
-
 class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans (``strategy: off`` is the string "off"), no duplicate keys."""
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        tag = super().resolve(kind, value, implicit)
+        if tag == "tag:yaml.org,2002:bool" and value.lower() not in ("true", "false"):
+            return "tag:yaml.org,2002:str"  # YAML 1.1's yes/no/on/off
+        return tag
+
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # unhashable key: the base class reports it
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"found duplicate key {key!r}",
-                    key_node.start_mark,
-                )
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        for i, key in enumerate(keys):
+            if key in keys[:i]:
+                mark, problem = node.value[i][0].start_mark, f"duplicate key {key!r}"
+                raise yaml.constructor.ConstructorError(None, None, problem, mark)
         return super().construct_mapping(node, deep=deep)
 
 
-_BOOL_TAG = "tag:yaml.org,2002:bool"
-_YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_YamlLoader.add_implicit_resolver(
-    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
-def _resolve_path(key: str, value: str, origins: _Origins) -> Path:
-    """The file ``value`` names: absolute, or tried against cwd, the folder of
-    the YAML file that set it, then the repository's configs/ folder."""
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        tried = [path]
-    else:
-        base = origins.of(key).base_dir
-        dirs = [Path.cwd(), *([base] if base else []), CONFIGS_DIR]
-        tried = list(dict.fromkeys(d / path for d in dirs))
-    for candidate in tried:
-        if candidate.is_file():
-            return candidate.resolve()
-    tried_text = ", ".join(str(p) for p in tried)
-    raise _error(key, value, "names no file; tried " + tried_text, origins)
-
-
-def _read_yaml(key: str, value: str, path: Path, origins: _Origins) -> Any:
+def _read_yaml(
+    key: str, value: str, sources: _Sources, what: str
+) -> tuple[Path, Mapping[str, Any]]:
+    """The file setting ``key`` names and the mapping of ``what`` it holds ({} if
+    empty, a single top-level ``hpu_mm:`` unwrapped). A relative path is tried
+    against cwd, the folder of the YAML file that set it, then configs/."""
+    dirs = [Path.cwd(), sources.of(key).base_dir, CONFIGS_DIR]  # dir / "/abs" is "/abs"
+    tried = list(dict.fromkeys(d / Path(value).expanduser() for d in dirs if d))
+    path = next((p.resolve() for p in tried if p.is_file()), None)
+    if path is None:
+        problem = "names no file; tried " + ", ".join(map(str, tried))
+        raise sources.error(key, value, problem)
     try:
         with path.open(encoding="utf-8") as fh:
-            return yaml.load(fh, Loader=_YamlLoader)  # a SafeLoader
-    except OSError as exc:
-        raise _error(key, value, f"cannot be read: {exc}", origins) from exc
-    except yaml.YAMLError as exc:
-        problem = f"is not valid YAML ({path}): {exc}"
-        raise _error(key, value, problem, origins) from exc
+            data = yaml.load(fh, Loader=_YamlLoader)  # a SafeLoader
+    except (OSError, yaml.YAMLError) as exc:
+        what = "cannot be read" if isinstance(exc, OSError) else "is not valid YAML"
+        raise sources.error(key, value, f"{what} ({path}): {exc}") from exc
+    if isinstance(data, Mapping) and set(data) == {ROOT_KEY}:
+        data = data[ROOT_KEY]
+    if not isinstance(data := {} if data is None else data, Mapping):
+        problem = f"must hold a mapping of {what}; {path} holds {data!r:.80}"
+        raise sources.error(key, value, problem)
+    return path, data
 
 
-# -- the configuration tree ----------------------------------------------------------
-
-_Positive = Annotated[int, Field(ge=1)]
 _Buckets = Annotated[  # a YAML list of positive ints, kept sorted and unique
-    tuple[Annotated[int, Strict(), Field(ge=1)], ...],
+    tuple[Annotated[int, Field(ge=1)], ...],
     Field(min_length=1, strict=False),
-    AfterValidator(lambda items: tuple(sorted(set(items)))),
+    pydantic.AfterValidator(lambda items: tuple(sorted(set(items)))),
 ]
 
 
 class ExplicitBuckets(_Section):
-    """The bucket lists of a ``bucketing.file`` (strategy ``explicit``).
-
-    Each list is required, holds at least one positive integer, and is sorted
-    and de-duplicated on load. A prefill bucket is a token count, a decode
-    bucket a batch size; ``blocks`` are KV-block counts, used by both.
-    """
+    """With `strategy: explicit`, the file named by `bucketing.file` holds three
+    lists. Each list is required and must contain at least one positive integer.
+    Lists are sorted and de-duplicated when loaded. The parsed lists are available
+    as `BucketingConfig.buckets` (an `ExplicitBuckets`), and
+    `load_explicit_buckets(path)` reads such a file on its own."""
 
     prefill_tokens: _Buckets
     """Prefill buckets: total prompt tokens in one forward pass."""
@@ -364,7 +257,7 @@ class BucketingConfig(_Section):
     """Which padded shapes are compiled and warmed up."""
 
     _KEY: ClassVar[str] = f"{ROOT_KEY}.bucketing"
-    _buckets: ExplicitBuckets | None = PrivateAttr(default=None)
+    _buckets: ExplicitBuckets | None = pydantic.PrivateAttr(default=None)
 
     strategy: Literal["exponential", "linear", "explicit", "off"] = "exponential"
     """How bucket sizes are generated. Inputs are padded up to a bucket, so only a known
@@ -375,50 +268,41 @@ class BucketingConfig(_Section):
     """YAML file with the explicit bucket lists (see [below](#explicit-bucket-files)).
     Required when `strategy` is `explicit`. The file must exist and parse. At other
     times it is ignored, with a warning."""
-    prefill_min_tokens: _Positive = 32
+    prefill_min_tokens: int = Field(default=32, ge=1)
     """Smallest prefill bucket, in tokens."""
-    prefill_step_tokens: _Positive = 128
+    prefill_step_tokens: int = Field(default=128, ge=1)
     """Step between prefill buckets, in tokens (strategy `linear`)."""
-    decode_min_batch: _Positive = 1
+    decode_min_batch: int = Field(default=1, ge=1)
     """Smallest decode batch bucket."""
-    decode_step_batch: _Positive = 8
+    decode_step_batch: int = Field(default=8, ge=1)
     """Step between decode batch buckets (strategy `linear`)."""
-    block_step: _Positive = 16
+    block_step: int = Field(default=16, ge=1)
     """Step between KV-cache block-count buckets."""
-    fallback_max_pad_ratio: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] = 2.0
+    fallback_max_pad_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """For a shape that no warmed-up bucket fits: pad it to at most this many times its
-    real size. A shape beyond that runs at a new size, which is compiled on first
-    use."""
+    real size. A shape beyond that runs at a new size, compiled on first use."""
 
     @property
     def buckets(self) -> ExplicitBuckets | None:
         """The lists read from ``file`` when the strategy is 'explicit', else None."""
         return self._buckets
 
-    @model_validator(mode="after")
-    def _read_bucket_file(self, info: ValidationInfo) -> Self:
-        origins = _origins_of(info)
-        file_key = f"{self._KEY}.file"
+    @pydantic.model_validator(mode="after")
+    def _read_bucket_file(self, info: pydantic.ValidationInfo) -> Self:
+        sources, key = info.context or _PYTHON, f"{self._KEY}.file"
         if self.strategy != "explicit":
             if self.file is not None:
                 logger.warning(
-                    "%s = %r is ignored: %s.strategy is %r, not 'explicit'",
-                    file_key,
-                    self.file,
-                    self._KEY,
-                    self.strategy,
+                    "%s = %r is ignored: strategy is not 'explicit'", key, self.file
                 )
             return self
         if self.file is None:
-            raise _error(
-                f"{self._KEY}.strategy",
-                self.strategy,
-                f"needs {file_key}, a YAML file with the bucket lists "
-                "(see configs/buckets-example.yaml)",
-                origins,
-            )
-        path = _resolve_path(file_key, self.file, origins)
-        self._buckets = _load_buckets(file_key, self.file, path, origins)
+            problem = f"needs {key}, a YAML file with the bucket lists "
+            problem += "(see configs/buckets-example.yaml)"
+            raise sources.error(f"{self._KEY}.strategy", self.strategy, problem)
+        path, data = _read_yaml(key, self.file, sources, "bucket lists")
+        inner = _Sources([_Source(f"from {path}, the {key}", data)])
+        self._buckets = ExplicitBuckets._parse(data, inner)
         self.__dict__["file"] = str(path)  # frozen for users; the resolved path
         return self
 
@@ -440,9 +324,9 @@ class MemoryConfig(_Section):
 
     _KEY: ClassVar[str] = f"{ROOT_KEY}.memory"
 
-    graph_reserve_fraction: Annotated[
-        float, Field(ge=0.0, le=0.9, allow_inf_nan=False)
-    ] = 0.10
+    graph_reserve_fraction: float = Field(
+        default=0.1, ge=0.0, le=0.9, allow_inf_nan=False
+    )
     """Share of device memory kept free for compiled graphs after the KV cache is sized
     (as the official Gaudi plugin's `VLLM_GRAPH_RESERVED_MEM`)."""
 
@@ -463,7 +347,7 @@ class HpuMMConfig(_Section):
     """Warm-up before serving."""
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     """Device memory at start-up."""
-    mm_max_image_pixels: _Positive = 4096 * 4096
+    mm_max_image_pixels: int = Field(default=4096 * 4096, ge=1)
     """Largest image a request may send, in pixels (width x height, 4096 x 4096 by
     default). It is read from the image header before any pixel is decoded, so a
     decompression bomb is refused with a 400 in the API server (see the README's
@@ -472,70 +356,51 @@ class HpuMMConfig(_Section):
     """YAML file that is read first. Keys given inline override its keys. After loading,
     this key holds the resolved absolute path."""
 
-    @field_validator("graph_mode", mode="before")
+    @pydantic.field_validator("graph_mode", mode="before")
     @classmethod
-    def _no_captured_graphs(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_captured_graphs(cls, value: Any) -> Any:
         if value == "graphs":
-            raise _error(
-                f"{ROOT_KEY}.graph_mode",
-                value,
+            raise ValueError(
                 "is not supported: captured HPU/CUDA graphs are not implemented. "
                 "Allowed: 'auto', 'eager', 'compile'; 'compile' (torch.compile, one "
-                "graph per warmed-up bucket) is the graph mode that runs",
-                _origins_of(info),
+                "graph per warmed-up bucket) is the graph mode that runs"
             )
         return value
 
-    # -- building -------------------------------------------------------
-
     @classmethod
-    def from_additional_config(
-        cls, additional_config: Mapping[str, Any] | Any | None
-    ) -> HpuMMConfig:
-        """The settings under ``hpu_mm`` of vLLM's ``additional_config``.
-
-        None, an empty dict, a missing or null ``hpu_mm`` key, or a
-        non-mapping ``additional_config`` (another plugin's object) give the
-        defaults. Other top-level keys belong to others and are left alone.
-        """
+    def from_additional_config(cls, additional_config: Any) -> HpuMMConfig:
+        """The settings under ``hpu_mm`` of vLLM's ``additional_config``: defaults
+        for None, a missing or null ``hpu_mm`` or a non-mapping (another plugin's
+        object). Other top-level keys belong to others and are left alone."""
         if not isinstance(additional_config, Mapping):
             return cls()
-        for other in additional_config:
-            if other != ROOT_KEY and str(other).lower().replace("-", "_") == ROOT_KEY:
-                raise ConfigError(
-                    f"--additional-config key {other!r} is not read by vllm-hpu-mm; "
-                    f"did you mean {ROOT_KEY!r}?",
-                    key=str(other),
+        for other in map(str, additional_config):
+            if other != ROOT_KEY and other.lower().replace("-", "_") == ROOT_KEY:
+                problem = (
+                    f"--additional-config key {other!r} is not read by vllm-hpu-mm"
                 )
-        data = additional_config.get(ROOT_KEY)
-        if data is None:
+                raise ConfigError(f"{problem}; did you mean {ROOT_KEY!r}?", key=other)
+        if (data := additional_config.get(ROOT_KEY)) is None:
             return cls()
         return cls.from_mapping(data, source="--additional-config")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str) -> HpuMMConfig:
-        """Build from the contents of ``hpu_mm``; ``source`` names where they
-        came from in error messages (e.g. ``"--additional-config"``).
-
-        If ``config_file`` is set, that YAML file is read first and the keys
-        of ``data`` override its keys (nested sections merge key by key).
-        """
-        inline = _Origin(f"from {source}")
-        by_key: dict[str, _Origin] = {}
-        _record(by_key, ROOT_KEY, data, inline)
-        origins = _Origins(by_key, _Origin("default"))
-        file_value = data.get("config_file") if isinstance(data, Mapping) else None
-        if file_value is None:
-            return cls._parse(data, origins)
-        file_key = f"{ROOT_KEY}.config_file"
-        if not isinstance(file_value, str):
-            raise _error(file_key, file_value, "must be a string (a path)", origins)
-        path = _resolve_path(file_key, file_value, origins)
-        file_data = _read_file_section(file_key, file_value, path, origins)
-        from_file: dict[str, _Origin] = {}
-        _record(from_file, ROOT_KEY, file_data, _Origin(f"from {path}", path.parent))
-        merged = {**_deep_merge(file_data, data), "config_file": str(path)}
-        return cls._parse(merged, _Origins({**from_file, **by_key}, origins.fallback))
+        """Build from the contents of ``hpu_mm``, read from ``source`` (for error
+        messages). A ``config_file`` is read first; the keys of ``data`` override
+        its keys (nested sections merge key by key)."""
+        sources = _Sources([_Source(f"from {source}", {ROOT_KEY: data})])
+        name = data.get("config_file") if isinstance(data, Mapping) else None
+        if isinstance(name, str):
+            key = f"{ROOT_KEY}.config_file"
+            path, file_data = _read_yaml(key, name, sources, "settings")
+            if "config_file" in file_data:
+                problem = f"{path} sets config_file itself; config files do not nest"
+                raise sources.error(key, name, problem)
+            file_source = _Source(f"from {path}", {ROOT_KEY: file_data}, path.parent)
+            sources = _Sources([*sources, file_source])
+            data = {**_deep_merge(file_data, data), "config_file": str(path)}
+        return cls._parse(data, _Sources([*sources, _Source("default")]))
 
 
 def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -543,77 +408,36 @@ def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, A
     for name, value in over.items():
         old = merged.get(name)
         if isinstance(old, Mapping) and isinstance(value, Mapping):
-            merged[name] = _deep_merge(old, value)
-        else:
-            merged[name] = value
+            value = _deep_merge(old, value)
+        merged[name] = value
     return merged
-
-
-def _read_file_section(
-    key: str, value: str, path: Path, origins: _Origins
-) -> Mapping[str, Any]:
-    """The ``hpu_mm`` settings in a config file (a top-level ``hpu_mm:`` is
-    unwrapped); an empty file is an empty mapping."""
-    data = _read_yaml(key, value, path, origins)
-    if data is None:
-        return {}
-    if isinstance(data, Mapping) and set(data) == {ROOT_KEY}:
-        data = data[ROOT_KEY] or {}
-    if not isinstance(data, Mapping):
-        problem = f"must hold a mapping of settings; {path} holds {_show(data)}"
-        raise _error(key, value, problem, origins)
-    if "config_file" in data:
-        problem = f"{path} sets config_file itself; config files do not nest"
-        raise _error(key, value, problem, origins)
-    return data
-
-
-def _load_buckets(
-    key: str, value: str, path: Path, origins: _Origins
-) -> ExplicitBuckets:
-    data = _read_yaml(key, value, path, origins)
-    if not isinstance(data, Mapping):
-        problem = f"must hold a mapping of bucket lists; got {_show(data)}"
-        raise _error(key, value, problem, origins)
-    by_key: dict[str, _Origin] = {}
-    _record(by_key, "", data, _Origin(f"from {path}, the {key}", path.parent))
-    return ExplicitBuckets._parse(data, _Origins(by_key, by_key[""]))
 
 
 def load_explicit_buckets(path: str | Path) -> ExplicitBuckets:
     """Read and check a bucket-list file (the format of ``bucketing.file``)."""
-    key = f"{BucketingConfig._KEY}.file"
-    origins = _Origins({key: _Origin("passed to load_explicit_buckets")})
-    resolved = _resolve_path(key, str(path), origins)
-    return _load_buckets(key, str(path), resolved, origins)
+    data = {"strategy": "explicit", "file": str(path)}
+    sources = _Sources([_Source("passed to load_explicit_buckets")])
+    return typing.cast(ExplicitBuckets, BucketingConfig._parse(data, sources).buckets)
 
 
 def load_plugin_config(vllm_config: Any) -> HpuMMConfig:
     """The plugin settings of a ``VllmConfig`` (read afresh on every call)."""
-    return HpuMMConfig.from_additional_config(
-        getattr(vllm_config, "additional_config", None)
-    )
+    additional_config = getattr(vllm_config, "additional_config", None)
+    return HpuMMConfig.from_additional_config(additional_config)
 
 
-# -- introspection, for docs and tools -------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class KeyInfo:
-    """One settable key: its dotted name and its pydantic field."""
+class KeyInfo(NamedTuple):
+    """A settable key: dotted name and pydantic's JSON schema of its field."""
 
     key: str
-    field: FieldInfo
-
-    @property
-    def doc(self) -> str:
-        return self.field.description or ""
+    schema: dict[str, Any]
 
 
 def describe_keys(cls: type[_Section] = HpuMMConfig) -> Iterator[KeyInfo]:
     """Every leaf key of ``cls`` (default: the whole ``hpu_mm`` tree)."""
+    schema = cls.model_json_schema()["properties"]
     for name, info in cls.model_fields.items():
-        if isinstance(info.annotation, type) and issubclass(info.annotation, _Section):
-            yield from describe_keys(info.annotation)
+        if isinstance(sub := info.annotation, type) and issubclass(sub, _Section):
+            yield from describe_keys(sub)
         else:
-            yield KeyInfo(_join(cls._KEY, name), info)
+            yield KeyInfo(_join(cls._KEY, name), schema[name])

@@ -1,8 +1,9 @@
 """Write ``docs/configuration.md`` from the settings models in ``vllm_hpu_mm.config``.
 
-The tables come from the models (key, type, bounds, default, description); the
-prose around them lives here. ``--check`` exits 1 if the committed page differs
-from what would be written (the unit tests run the same comparison).
+The tables come from the models' JSON schema (pydantic's ``model_json_schema``:
+type, bounds, default, description); the prose around them lives here.
+``--check`` exits 1 if the committed page differs from what would be written
+(the unit tests run the same comparison).
 
 Usage: ``python -m vllm_hpu_mm.tools.gen_config_docs [--check] [--out PATH]``
 """
@@ -12,15 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from vllm_hpu_mm.config import ExplicitBuckets, KeyInfo, describe_keys
+from vllm_hpu_mm.config import ExplicitBuckets, HpuMMConfig, describe_keys
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-
-_PLAIN = {bool: "bool", int: "int", float: "number", str: "string", type(None): "null"}
 
 HEAD = """\
 # Configuration
@@ -95,12 +93,6 @@ are left alone. The one exception is a misspelling of `hpu_mm` itself, such as
 
 ## Explicit bucket files
 
-With `strategy: explicit`, the file named by `bucketing.file` holds three lists.
-Each list is required and must contain at least one positive integer. Lists are
-sorted and de-duplicated when loaded. The parsed lists are available as
-`BucketingConfig.buckets` (an `ExplicitBuckets`), and `load_explicit_buckets(path)`
-reads such a file on its own.
-
 """
 
 TAIL = """
@@ -149,57 +141,42 @@ cfg.to_dict()                 # plain dict; from_mapping(d, source=...) rebuilds
 """
 
 
-def type_name(tp: Any) -> str:
-    """A field's type in short: 'int', 'string | null', '"a" | "b"'."""
-    if typing.get_origin(tp) is Annotated:
-        return type_name(typing.get_args(tp)[0])
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(f'"{a}"' for a in typing.get_args(tp))
-    if typing.get_origin(tp) is tuple:
-        return f"list[{type_name(typing.get_args(tp)[0])}]"
-    if tp in _PLAIN:
-        return _PLAIN[tp]
-    return " | ".join(type_name(a) for a in typing.get_args(tp))  # a union
+def _type(prop: dict[str, Any]) -> str:
+    """A JSON schema's type in short: 'integer', 'string | null', '"a" | "b"'."""
+    if "enum" in prop:
+        return " | ".join(json.dumps(choice) for choice in prop["enum"])
+    if "anyOf" in prop:
+        return " | ".join(_type(p) for p in prop["anyOf"])
+    if prop["type"] == "array":
+        return f"list[{_type(prop['items'])}]"
+    return str(prop["type"])
 
 
-def bounds(info: KeyInfo) -> str:
-    """' ≥ 1', ' in [0.0, 0.9]' or '' from the field's (or its items') constraints."""
-    metadata = list(info.field.metadata)
-    if typing.get_origin(info.field.annotation) is tuple:
-        item = typing.get_args(info.field.annotation)[0]
-        for a in getattr(item, "__metadata__", ()):
-            metadata += getattr(a, "metadata", [a])
-    low = next((m.ge for m in metadata if hasattr(m, "ge")), None)
-    high = next((m.le for m in metadata if hasattr(m, "le")), None)
-    if low is not None and high is not None:
+def _bounds(prop: dict[str, Any]) -> str:
+    """' ≥ 1', ' in [0.0, 0.9]' or '' from the (items') minimum and maximum."""
+    low, high = (prop.get("items", prop).get(b) for b in ("minimum", "maximum"))
+    if high is not None:
         return f" in [{low}, {high}]"
     return f" ≥ {low}" if low is not None else ""
 
 
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def key_table() -> str:
-    rows = ["| Key | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
-    for info in describe_keys():
-        kind = _cell(f"`{type_name(info.field.annotation)}`{bounds(info)}")
-        default = json.dumps(info.field.get_default(call_default_factory=True))
-        rows.append(f"| `{info.key}` | {kind} | `{default}` | {_cell(info.doc)} |")
-    return "\n".join(rows) + "\n"
-
-
-def bucket_table() -> str:
-    rows = ["| Key | Type | Meaning |", "| --- | --- | --- |"]
-    for info in describe_keys(ExplicitBuckets):
-        kind = _cell(f"`{type_name(info.field.annotation)}`{bounds(info)}")
-        rows.append(f"| `{info.key}` | {kind} | {_cell(info.doc)} |")
-    return "\n".join(rows) + "\n"
+def table(cls: type[HpuMMConfig | ExplicitBuckets], defaults: bool) -> str:
+    """One row per key of ``cls``: key, type and bounds, default, description."""
+    head = ["Key", "Type", *(["Default"] if defaults else []), "Meaning"]
+    rows = [head, ["---"] * len(head)]
+    for key, prop in describe_keys(cls):
+        default = [f"`{json.dumps(prop['default'])}`"] if defaults else []
+        kind = f"`{_type(prop)}`{_bounds(prop)}"
+        rows.append([f"`{key}`", kind, *default, prop["description"]])
+    cells = ([" ".join(c.split()).replace("|", "\\|") for c in row] for row in rows)
+    return "".join(f"| {' | '.join(row)} |\n" for row in cells)
 
 
 def render() -> str:
     """The whole page, as it should be committed."""
-    return HEAD + key_table() + MIDDLE + bucket_table() + TAIL
+    buckets = ExplicitBuckets.model_json_schema()["description"]
+    keys, bucket_keys = table(HpuMMConfig, True), table(ExplicitBuckets, False)
+    return f"{HEAD}{keys}{MIDDLE}{buckets}\n\n{bucket_keys}{TAIL}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,20 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         help="write nothing; exit 1 if the page differs from the generated one",
     )
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text(encoding="utf-8") if args.out.is_file() else ""
-        if current != text:
-            print(
-                f"{args.out} is stale: run python -m vllm_hpu_mm.tools.gen_config_docs",
-                file=sys.stderr,
-            )
-            return 1
+    if not args.check:
+        args.out.write_text(render(), encoding="utf-8")
+        print(f"wrote {args.out}")
+        return 0
+    if args.out.is_file() and args.out.read_text(encoding="utf-8") == render():
         print(f"{args.out} is up to date")
         return 0
-    args.out.write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}")
-    return 0
+    print(f"{args.out} is stale: run python -m {__spec__.name}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ __all__ = [
     "ExplicitBuckets",
     "HpuMMConfig",
     "KeyInfo",
+    "MemoryConfig",
     "WarmupConfig",
     "describe_keys",
     "load_explicit_buckets",
@@ -447,6 +448,29 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    """How device memory is shared between the KV cache and the rest."""
+
+    _KEY: ClassVar[str] = f"{ROOT_KEY}.memory"
+
+    graph_reserve_fraction: float = _opt(
+        0.10,
+        "share of the memory left after the profiled peak kept free for graphs "
+        "(not given to the KV cache)",
+        low=0.0,
+    )
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.graph_reserve_fraction >= 1.0:
+            raise _error(
+                f"{self._KEY}.graph_reserve_fraction",
+                self.graph_reserve_fraction,
+                "is out of range: must be < 1 (1 would leave no KV cache)",
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class HpuMMConfig:
     """All of the plugin's settings (``--additional-config`` key ``hpu_mm``)."""
 
@@ -460,6 +484,9 @@ class HpuMMConfig:
     )
     warmup: WarmupConfig = field(
         default_factory=WarmupConfig, metadata={"doc": "warm-up before serving"}
+    )
+    memory: MemoryConfig = field(
+        default_factory=MemoryConfig, metadata={"doc": "memory sizing"}
     )
     mm_encoder_cache_items: int = _opt(
         64, "multimodal encoder outputs kept cached per worker", low=1

@@ -12,6 +12,7 @@ image slot of its cache in the same step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ from tests.mm_reference import tiny_llava_dir
 from vllm_hpu_mm.worker.profile import LiveTensorBytes, tensor_meter
 from vllm_hpu_mm.worker.worker import kv_cache_budget
 
-# ---- the meter -----------------------------------------------------------------------
+# ---- the meter ---------------------------------------------------------------
 
 
 def test_live_tensor_bytes_follows_allocations_and_frees() -> None:
@@ -66,7 +67,7 @@ def test_tensor_meter_reports_the_transient_peak() -> None:
     assert tensor_meter(run) == 4 * 2**20
 
 
-# ---- the KV-cache budget --------------------------------------------------------------
+# ---- the KV-cache budget ------------------------------------------------------
 
 
 def test_budget_keeps_the_graph_reserve_out_of_the_kv_cache() -> None:
@@ -79,7 +80,7 @@ def test_budget_keeps_the_graph_reserve_out_of_the_kv_cache() -> None:
         kv_cache_budget(100 * gib, 20 * gib, 0.9, 10 * gib, 0.1)
 
 
-# ---- the profiled step, on real models -------------------------------------------------
+# ---- the profiled step, on real models ------------------------------------------
 
 _PROFILE = textwrap.dedent(
     """
@@ -173,7 +174,7 @@ def mllama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _strictly_increasing(values: list[int]) -> bool:
-    return all(a < b for a, b in zip(values, values[1:], strict=False))
+    return all(a < b for a, b in itertools.pairwise(values))
 
 
 @pytest.mark.parametrize("model", ["llava", "mllama"])
@@ -201,7 +202,7 @@ def test_peak_grows_with_the_encoder_bucket(
     items = res["items"]
     assert res["largest"]["encoder_items"] > 1, res["largest"]
     assert len(items) >= 2, res
-    assert all(a <= b for a, b in zip(items, items[1:], strict=False)), items
+    assert all(a <= b for a, b in itertools.pairwise(items)), items
     assert items[-1] > items[0], items
 
 

@@ -28,11 +28,11 @@ def tiny_mllama_dir() -> str:
 
 
 @cache
-def _hf(model_dir: str) -> tuple[Any, Any]:
+def _hf(model_dir: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoProcessor, MllamaForConditionalGeneration
 
     model = MllamaForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
+        model_dir, dtype=dtype
     ).eval()
     return model, AutoProcessor.from_pretrained(model_dir)
 
@@ -101,3 +101,30 @@ def mllama_chat(server: Any, images: list[Any], question: str, max_tokens: int) 
         "return_token_ids": True,
     }
     return server.post("/v1/chat/completions", body)
+
+
+@torch.inference_mode()
+def hf_mllama_greedy_steps(
+    model_dir: str,
+    prompt_token_ids: list[int],
+    images: list[Any],
+    max_tokens: int,
+    dtype: torch.dtype,
+) -> tuple[list[int], torch.Tensor]:
+    """``hf_mllama_greedy`` in ``dtype``, with HF's ``[steps, vocab]`` logits
+    (for ``tests.hf_reference.compare_greedy_bf16``). The pixel values go in
+    ``dtype``, as a bfloat16 user of transformers passes them."""
+    model, _ = _hf(model_dir, dtype)
+    inputs = hf_mllama_inputs(model_dir, prompt_token_ids, images)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        min_new_tokens=max_tokens,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    tokens = out.sequences[0, len(prompt_token_ids) :].tolist()
+    return tokens, torch.cat([step.float() for step in out.logits], dim=0)

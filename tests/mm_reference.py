@@ -131,13 +131,12 @@ def image_offsets(prompt_ids: Sequence[int], image_token_id: int) -> list[int]:
 
 
 @functools.cache
-def load_hf_llava(model_dir: str) -> Any:
-    """``LlavaForConditionalGeneration`` in float32, eval, eos disabled."""
+def load_hf_llava(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
+    """``LlavaForConditionalGeneration`` in ``dtype`` (float32 unless told),
+    eval, eos disabled."""
     from transformers import LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     # vLLM runs with ignore_eos=True in the comparisons: never stop early here.
     model.generation_config.eos_token_id = None
     return model
@@ -205,6 +204,33 @@ def hf_llava_greedy(
     generated = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(generated) == max_new_tokens, (len(generated), max_new_tokens)
     return generated
+
+
+def hf_llava_greedy_steps(
+    model_dir: str,
+    prompt_text: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    dtype: torch.dtype,
+    add_special_tokens: bool = True,
+) -> tuple[list[int], torch.Tensor]:
+    """``hf_llava_greedy`` in ``dtype``, with HF's ``[steps, vocab]`` logits
+    (for ``tests.hf_reference.compare_greedy_bf16``)."""
+    model = load_hf_llava(model_dir, dtype)
+    inputs = hf_llava_inputs(model_dir, prompt_text, images, add_special_tokens)
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=model.config.text_config.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(tokens) == max_new_tokens, (len(tokens), max_new_tokens)
+    return tokens, torch.cat([step.float() for step in out.logits], dim=0)
 
 
 def chat_messages(question: str, num_images: int) -> list[dict[str, Any]]:

@@ -275,6 +275,25 @@ def peak_memory_bytes() -> int:
     return 0
 
 
+def allocated_memory_bytes() -> int:
+    """Bytes torch holds allocated on the device now (0 on the CPU)."""
+    kind = device_kind()
+    if kind == "cuda":
+        return int(torch.cuda.memory_allocated())
+    if kind == "hpu":
+        return int(torch.hpu.memory_allocated())  # type: ignore[attr-defined]
+    return 0
+
+
+def reset_peak_memory() -> None:
+    """Start ``peak_memory_bytes`` afresh from what is allocated now."""
+    kind = device_kind()
+    if kind == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif kind == "hpu":
+        torch.hpu.reset_peak_memory_stats()  # type: ignore[attr-defined]
+
+
 def total_memory(index: int = 0) -> int:
     """Total device memory for vLLM's start-up defaults. HPU: 0 without a
     query, as the official Gaudi plugin does (vLLM asks in the API-server

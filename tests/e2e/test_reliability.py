@@ -1,7 +1,9 @@
 """Reliability of ``vllm serve`` on the plugin (tiny LLaVA, one server).
 
 - every malformed request gets a 4xx whose message names the problem, and the
-  server keeps serving; unusual but valid images are converted and answered
+  server keeps serving; an image URL that cannot be fetched (closed port, an
+  HTML page, a host slower than ``VLLM_IMAGE_FETCH_TIMEOUT``) is a 400;
+  unusual but valid images are converted and answered
   (compared with HF greedy on the image the plugin's conversion makes);
 - a client that disconnects mid-stream frees its KV blocks (vLLM's
   ``vllm:kv_cache_usage_perc`` back to 0) and its encoder-cache entry (later
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 import io
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +56,18 @@ WAIT_S = 60.0  # bound on waiting for the server to settle (not a timing check)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("reliability") / "server.log"
-    yield from serve(
-        tiny_llava_dir(),
-        log_path,
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 2}),
-        "--max-num-batched-tokens",
-        str(STEP_BUDGET),
-    )
+    with pytest.MonkeyPatch.context() as env:
+        # One fetch attempt of at most 1 s for image URLs (the slow-host case).
+        env.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "1")
+        env.setenv("VLLM_MEDIA_FETCH_MAX_RETRIES", "1")
+        yield from serve(
+            tiny_llava_dir(),
+            log_path,
+            "--limit-mm-per-prompt",
+            json.dumps({"image": 2}),
+            "--max-num-batched-tokens",
+            str(STEP_BUDGET),
+        )
 
 
 def _messages(urls: list[str], text: str = QUESTION) -> list[dict[str, Any]]:
@@ -125,6 +134,72 @@ def test_bad_image_is_4xx_naming_it(server: Server, url: str, words: str) -> Non
     response = _chat(server, [url])
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
     assert words.lower() in response.json()["error"]["message"].lower(), response.text
+    _still_serving(server)
+
+
+class _ImageHost(BaseHTTPRequestHandler):
+    """A loopback image host: an HTML page, and an image that comes too late."""
+
+    def do_GET(self) -> None:
+        body, ctype = b"<!DOCTYPE html><html><body>Sign in</body></html>", "text/html"
+        if self.path == "/slow.png":
+            time.sleep(3.0)  # longer than the server's 1 s fetch timeout
+            body, ctype = s.encode(s.gradient_rgb()), "image/png"
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server gave up waiting
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    host = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHost)
+    host.daemon_threads = True
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{host.server_address[1]}"
+    finally:
+        host.shutdown()
+        host.server_close()
+
+
+def _closed_port_url() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    return f"http://127.0.0.1:{port}/cat.png"  # nothing listens there now
+
+
+# (path on the loopback image host, or None for a closed port; words expected)
+UNFETCHABLE = {
+    "connection-refused": (None, "connection was refused"),
+    "html-page": ("/page.html", "an HTML page"),
+    "timeout": ("/slow.png", "did not answer within 1 s"),
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "words"), list(UNFETCHABLE.values()), ids=list(UNFETCHABLE)
+)
+def test_unfetchable_image_url_is_400_naming_it(
+    server: Server, image_host: str, path: str | None, words: str
+) -> None:
+    """An image URL the server cannot fetch is the client's error (400, naming
+    the URL and why), not a 500; the server keeps serving. (The DNS failure is
+    tested in tests/unit/test_media_fetch.py, where the lookup runs with no
+    network: here it would ask this host's resolver.)"""
+    url = _closed_port_url() if path is None else image_host + path
+    response = _chat(server, [url])
+    assert response.status_code == 400, (response.status_code, response.text)
+    message = response.json()["error"]["message"]
+    assert words in message and url in message, message
     _still_serving(server)
 
 

@@ -60,6 +60,8 @@ class ImageHeader:
 def describe_bytes(data: bytes) -> str:
     """A guess at what non-image bytes are, for error messages."""
     head = data[:64].lstrip()
+    if head.lower().startswith((b"<!doctype html", b"<html")):
+        return "an HTML page"
     for magic, name in _KNOWN_OTHER:
         if head.startswith(magic):
             return name

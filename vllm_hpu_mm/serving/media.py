@@ -8,14 +8,28 @@ image loader that reads the header before decoding (``image_checks``) and
 turns every decoding failure into a 400 that names it, plus 400s (not 500 or
 501) for ``file://`` URLs on a server without ``--allowed-local-media-path``
 and for data URLs that are not base64.
+
+An ``http(s)`` URL that cannot be fetched is the client's problem too: vLLM
+passes connection errors, DNS failures, timeouts and 5xx answers of the image
+host through unchanged (so that its retry logic sees them), which the server
+then answers with a 500. After vLLM's retries are spent, ``fetch_failure``
+names what went wrong (refused, unresolvable host, no answer within
+``VLLM_IMAGE_FETCH_TIMEOUT``, the host's HTTP status) and the connector raises
+a 400 that names the URL; a body that is not an image (an HTML page) is a 400
+naming the URL and what the bytes are.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 from typing import Any
 
+import aiohttp
+import requests
 from PIL import Image
+from vllm.exceptions import VLLMUnprocessableEntityError, VLLMValidationError
 from vllm.multimodal.media.base import MediaIO, MediaWithBytes
 from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 from vllm.multimodal.media.image import ImageMediaIO
@@ -26,6 +40,89 @@ from vllm_hpu_mm.serving.image_checks import read_header, to_rgb
 logger = logging.getLogger("vllm.hpu_mm.serving")
 
 CONNECTOR_NAME = "hpu_mm"
+_MAX_URL_CHARS = 200  # longer URLs are shortened in messages
+_TIMEOUTS = (
+    TimeoutError,
+    asyncio.TimeoutError,
+    requests.Timeout,
+    aiohttp.ServerTimeoutError,
+)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its chain of causes (``raise ... from`` and implicit)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def _http_status(exc: BaseException) -> int | None:
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return exc.status
+    if isinstance(exc, requests.HTTPError) and exc.response is not None:
+        return exc.response.status_code
+    return None
+
+
+def fetch_failure(exc: BaseException, timeout_s: float | None) -> str | None:
+    """Why fetching a media URL failed, in words for the client; None when
+    ``exc`` is not a failure to fetch (a bug, a decoding error)."""
+    chain = _causes(exc)
+    for e in chain:
+        if isinstance(e, socket.gaierror | aiohttp.ClientConnectorDNSError):
+            return "its host name does not resolve (DNS lookup failed)"
+    for e in chain:
+        if isinstance(e, ConnectionRefusedError):
+            return "the connection was refused (nothing listens on that port)"
+        if isinstance(e, _TIMEOUTS):
+            limit = f" within {timeout_s:g} s" if timeout_s is not None else ""
+            return f"the host did not answer{limit} (VLLM_IMAGE_FETCH_TIMEOUT)"
+        status = _http_status(e)
+        if status is not None:
+            return f"the host answered HTTP {status}"
+    for e in chain:
+        if isinstance(
+            e, aiohttp.ClientConnectionError | requests.ConnectionError | OSError
+        ):
+            return f"the connection failed ({e.__class__.__name__}: {e})"
+    return None
+
+
+def _shown(url: str) -> str:
+    if len(url) <= _MAX_URL_CHARS:
+        return url
+    return url[:_MAX_URL_CHARS] + "..."
+
+
+def _is_http(url: str) -> bool:
+    return url[:4].lower() == "http"
+
+
+def _rejected_fetch(
+    url: str, exc: BaseException, timeout_s: float | None
+) -> RequestRejected | None:
+    """The 400 for an http(s) URL whose fetch or body failed; None to re-raise."""
+    if not _is_http(url):
+        return None  # data: and file: URLs have their own messages
+    if isinstance(exc, RequestRejected):  # a body that is not a usable image
+        return RequestRejected(
+            f"image URL {_shown(url)}: {exc.args[0]}", parameter="image_url"
+        )
+    if isinstance(exc, VLLMValidationError):
+        return None  # vLLM's own 4xx (bad URL, size limit) names the problem
+    if isinstance(exc, VLLMUnprocessableEntityError):  # the host answered 4xx
+        status = _http_status(exc.__cause__) if exc.__cause__ else None
+        if status is None:
+            return None
+    reason = fetch_failure(exc, timeout_s)
+    if reason is None:
+        return None
+    return RequestRejected(
+        f"image URL {_shown(url)} cannot be fetched: {reason}", parameter="image_url"
+    )
 
 
 class CheckedImageMediaIO(ImageMediaIO):
@@ -74,6 +171,34 @@ class CheckedMediaConnector(MediaConnector):
             decoded_budget=self.decoded_budget,
             max_pixels=self.max_image_pixels,
         )
+
+    def load_from_url(
+        self, url: str, media_io: MediaIO[Any], *, fetch_timeout: int | None = None
+    ) -> Any:
+        try:
+            return super().load_from_url(url, media_io, fetch_timeout=fetch_timeout)
+        except Exception as exc:
+            rejected = (
+                _rejected_fetch(url, exc, fetch_timeout) if _is_http(url) else None
+            )
+            if rejected is None:
+                raise
+            raise rejected from exc
+
+    async def load_from_url_async(
+        self, url: str, media_io: MediaIO[Any], *, fetch_timeout: int | None = None
+    ) -> Any:
+        try:
+            return await super().load_from_url_async(
+                url, media_io, fetch_timeout=fetch_timeout
+            )
+        except Exception as exc:
+            rejected = (
+                _rejected_fetch(url, exc, fetch_timeout) if _is_http(url) else None
+            )
+            if rejected is None:
+                raise
+            raise rejected from exc
 
     def _load_data_url(self, url: str, media_io: MediaIO[Any]) -> Any:
         try:

@@ -34,6 +34,7 @@ from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch
+from vllm_hpu_mm.worker.multimodal import encoder_input
 from vllm_hpu_mm.worker.requests import RequestState
 
 logger = logging.getLogger("vllm.hpu_mm.cross_attention")
@@ -274,7 +275,7 @@ class CrossAttentionInputs:
         pad = size - n
 
         def padded(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self.device)
+            t = encoder_input(t.to(self.device), self.encoder_states.dtype)
             if not t.is_inference():
                 t = t.clone()
             return torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t

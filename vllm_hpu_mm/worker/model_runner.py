@@ -31,6 +31,7 @@ from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
+from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 from vllm_hpu_mm.worker.sampling import build_sampling_metadata
 from vllm_hpu_mm.worker.shapes import ShapePolicy, bucket_set, engine_limits
@@ -136,20 +137,9 @@ class HpuMMModelRunner:
             sum(t.numel() * t.element_size() for t in self.kv_caches.values()) / 2**20,
         )
 
-    @torch.inference_mode()
     def profile_peak_activation_bytes(self) -> int:
-        """Peak device bytes of one forward at the largest token budget."""
-        sc = self.vllm_config.scheduler_config
-        num_tokens = sc.max_num_batched_tokens
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.zeros_like(ids)
-        model: Any = self.get_model()
-        before = dev.peak_memory_bytes()
-        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
-            hidden = model(input_ids=ids, positions=positions)
-        model.compute_logits(hidden[: sc.max_num_seqs])
-        dev.synchronize()
-        return max(dev.peak_memory_bytes() - before, 0)
+        """Peak bytes of one step at the largest shapes (``worker.profile``)."""
+        return profile_peak_activation_bytes(self)
 
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()

@@ -56,6 +56,21 @@ def _slice_items(
     }
 
 
+def encoder_input(value: Any, dtype: torch.dtype) -> Any:
+    """An encoder input in the form warmup compiled the encoder for: floating
+    tensors in the model dtype (processors hand out float32 pixel values; a
+    compiled encoder guards on dtype and would compile each bucket again on
+    its first real request), integer and bool tensors as they are."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's floating parameters (its compute dtype)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
 def next_pow2(n: int) -> int:
     """Static length of a placeholder map with n entries (0 stays 0)."""
     return 0 if n == 0 else 1 << (n - 1).bit_length()
@@ -128,6 +143,7 @@ class EncoderRunner:
 
     def __init__(self, model: Any, graphs: GraphRunner, max_items: int) -> None:
         self.model = model
+        self.dtype = model_dtype(model)
         self.item_buckets = exponential(1, max(max_items, 1))
         self._encode = model.embed_multimodal
         if graphs.mode == "compile":
@@ -147,6 +163,7 @@ class EncoderRunner:
             k: v.clone() if isinstance(v, torch.Tensor) and not v.is_inference() else v
             for k, v in kwargs.items()
         }
+        kwargs = {k: encoder_input(v, self.dtype) for k, v in kwargs.items()}
         outputs = self._encode(**pad_items(kwargs, num_items, size))
         if len(outputs) != size:
             raise RuntimeError(

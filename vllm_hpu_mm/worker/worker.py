@@ -24,6 +24,27 @@ from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
 logger = logging.getLogger("vllm.hpu_mm.worker")
 
 
+def kv_cache_budget(
+    total: int, free: int, utilization: float, activation: int, graph_fraction: float
+) -> int:
+    """Bytes for the KV cache: the usable share of the device, less what is in
+    use (weights, the cross-attention cache), the profiled peak of the largest
+    step, and ``graph_fraction`` of what remains (kept for compiled graphs)."""
+    in_use = total - free
+    rest = int(total * utilization) - in_use - activation
+    reserve = int(max(rest, 0) * graph_fraction)
+    budget = rest - reserve
+    if budget <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: {total / 2**30:.2f} GiB x "
+            f"gpu_memory_utilization {utilization} - {in_use / 2**30:.2f} GiB in "
+            f"use - {activation / 2**30:.2f} GiB profiled peak - "
+            f"{reserve / 2**30:.2f} GiB graph reserve "
+            f"({graph_fraction} x the rest) = {budget / 2**30:.2f} GiB"
+        )
+    return budget
+
+
 class HpuMMWorker(WorkerBase):
     def __init__(
         self,
@@ -106,15 +127,20 @@ class HpuMMWorker(WorkerBase):
             return dev.CPU_DEFAULT_KV_CACHE_BYTES
         activation = self._runner().profile_peak_activation_bytes()
         free, total = dev.memory_info()
-        budget = int(total * cc.gpu_memory_utilization) - (total - free) - activation
-        if budget <= 0:
-            raise RuntimeError(
-                f"no memory left for the KV cache: {total / 2**30:.1f} GiB x "
-                f"gpu_memory_utilization {cc.gpu_memory_utilization} - "
-                f"{(total - free) / 2**30:.1f} GiB in use - "
-                f"{activation / 2**30:.1f} GiB activations = "
-                f"{budget / 2**30:.1f} GiB"
-            )
+        fraction = self.plugin_config.memory.graph_reserve_fraction
+        budget = kv_cache_budget(
+            total, free, cc.gpu_memory_utilization, activation, fraction
+        )
+        logger.info(
+            "Memory: %.2f GiB total, %.2f GiB in use, %.2f GiB profiled peak, "
+            "%.0f%% of the rest kept for graphs (hpu_mm.memory."
+            "graph_reserve_fraction): %.2f GiB for the KV cache",
+            total / 2**30,
+            (total - free) / 2**30,
+            activation / 2**30,
+            100 * fraction,
+            budget / 2**30,
+        )
         return budget
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:

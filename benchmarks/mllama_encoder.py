@@ -320,7 +320,9 @@ def eager_counter(geometry: StatesGeometry) -> Any:
     return EagerCounter()
 
 
-def graph_count(module: Any, args: tuple[Any, ...], geometry: StatesGeometry) -> OpCount:
+def graph_count(
+    module: Any, args: tuple[Any, ...], geometry: StatesGeometry
+) -> OpCount:
     """Counts in the functionalized ATen graph aot_autograd makes of the call
     (fake tensors: nothing runs), plus the copy back of each mutated input."""
     import torch
@@ -364,8 +366,6 @@ def _nodes(args: Any) -> list[Any]:
     from torch.utils._pytree import tree_leaves
 
     return [a for a in tree_leaves(list(args)) if isinstance(a, torch.fx.Node)]
-
-
 
 
 # ---- one variant ---------------------------------------------------------------
@@ -452,7 +452,9 @@ class CountingBackend:
         return lookup_backend(self.inner)(gm, example_inputs)
 
 
-def variant_args(layout: str, mode: str, vision: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+def variant_args(
+    layout: str, mode: str, vision: Any, inputs: tuple[Any, ...]
+) -> tuple[Any, ...]:
     """The call's arguments: the buffer goes in eagerly (allocated once, here,
     outside the measured call) and in the seed's graph-mode form."""
     pixels = inputs[0]
@@ -462,9 +464,7 @@ def variant_args(layout: str, mode: str, vision: Any, inputs: tuple[Any, ...]) -
     return inputs
 
 
-def _result(
-    layout: str, mode: str, count: OpCount, **kw: Any
-) -> Result:
+def _result(layout: str, mode: str, count: OpCount, **kw: Any) -> Result:
     defaults: dict[str, Any] = {
         "ms_per_image": None, "times_ms": [], "first_call_s": 0.0,
         "allocated_bytes": 0, "peak_bytes": 0, "graphs": 0,

@@ -34,7 +34,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
-    _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt, TP
+    _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt
     logger.info(
         "vllm-hpu-mm config: device=%s block_size=%s max_num_seqs=%s "
         "max_num_batched_tokens=%s chunked_prefill=%s prefix_caching=%s plugin=%s",
@@ -143,11 +143,6 @@ def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
     archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
     if "MllamaForConditionalGeneration" not in archs:
         return
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise UnsupportedConfigError(
-            "vllm-hpu-mm runs Mllama on one device: its cross-attention layers "
-            "are not sharded (drop --tensor-parallel-size)"
-        )
     mm = getattr(mc, "multimodal_config", None)
     if mm is not None and "image" not in mm.limit_per_prompt:
         from vllm.config.multimodal import ImageDummyOptions

@@ -28,9 +28,10 @@ graph-mode form (the buffer passed into the compiled call and written there).
 
 Per variant:
 
-- ms / image: median of ``--reps`` calls after a warm-up call, per image; for
-  graph mode the first call (compilation plus one run) is reported on its own;
-- allocated / peak MB: the torch allocator's events during the warm-up call
+- ms / image: median of ``--reps`` calls after the measured call, per image
+  (``--reps 0``: the measured call's own time); for graph mode the first call
+  (compilation plus one run) comes before and is reported on its own;
+- allocated / peak MB: the torch allocator's events during the measured call
   (torch.profiler, profile_memory); this sees the compiled code's buffers too;
 - op-level counts where the ops run: eager, every aten op under a
   TorchDispatchMode; graph mode, the functionalized ATen graph that
@@ -414,9 +415,9 @@ def allocator_figures(events: list[Any], device_type: str) -> tuple[int, int]:
 
 def measured_call(
     call: Callable[[], tuple[Any, float]], eager: Any | None, device_type: str
-) -> tuple[Any, int, int]:
+) -> tuple[Any, int, int, float]:
     """The warm-up call, measured: its output (cloned), the bytes the allocator
-    gave out and the peak live bytes; ``eager`` (a dispatch-mode counter) also
+    gave out, the peak live bytes and its time; ``eager`` (a dispatch-mode counter) also
     counts the aten ops. Eager runs under no_grad rather than inference_mode:
     the same kernels, but inference_mode hands composite ops (reshape, pad, to)
     to the dispatch mode whole, hiding the copies they make."""
@@ -430,13 +431,13 @@ def measured_call(
     ):
         if eager is not None:
             with eager:
-                out, _ = call()
+                out, took = call()
         else:
-            out, _ = call()
+            out, took = call()
     events = prof.profiler.kineto_results.events()
     memory = [e for e in events if e.name() == "[memory]"]
     allocated, peak = allocator_figures(memory, device_type)
-    return out.detach().clone(), allocated, peak
+    return out.detach().clone(), allocated, peak, took
 
 
 class CountingBackend:
@@ -512,9 +513,11 @@ def run_variant(
     eager = eager_counter(geometry) if mode == "eager" else None
     with torch.inference_mode():
         first_s = call()[1] if mode == "graph" else 0.0
-    output, allocated, peak = measured_call(call, eager, args[0].device.type)
+    output, allocated, peak, measured_s = measured_call(
+        call, eager, args[0].device.type
+    )
     with torch.inference_mode():
-        times = [call()[1] for _ in range(reps)]
+        times = [call()[1] for _ in range(reps)] or [measured_s]
     if eager is not None:
         count = eager.count
     assert count is not None
@@ -588,7 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-layers", type=int, default=d.global_layers)
     p.add_argument("--images", type=int, default=d.images)
     p.add_argument("--tiles", type=int, default=d.tiles, help="tiles per image")
-    p.add_argument("--reps", type=int, default=1, help="timed calls per variant")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="timed calls per variant after the measured one (0: time the "
+        "measured call itself, under the profiler and, eager, the op counter)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),

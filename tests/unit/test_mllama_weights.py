@@ -35,6 +35,7 @@ _CHECK = textwrap.dedent(
     from vllm.distributed import (
         init_distributed_environment, initialize_model_parallel)
     from vllm_hpu_mm.models.mllama.model import MllamaForConditionalGeneration
+    from vllm_hpu_mm.models.mllama.vision import feature_order
 
     model_dir = sys.argv[1]
     mc = ModelConfig(model=model_dir, dtype="float32")
@@ -80,8 +81,10 @@ _CHECK = textwrap.dedent(
                 "model.vision_model.patch_embedding.weight"],
             "model.vision_model.global_transformer.layers.1.gate_ffn": ckpt[
                 "model.vision_model.global_transformer.layers.1.gate_ffn"],
+            # Columns permuted to the layer-major encoder_states on loading.
             "model.multi_modal_projector.weight": ckpt[
-                "model.multi_modal_projector.weight"],
+                "model.multi_modal_projector.weight"][:, feature_order(
+                    model.vision.hidden, len(model.vision.intermediate))],
             "lm_head.weight": ckpt["lm_head.weight"],
             "model.language_model.embed_tokens.weight": ckpt[
                 "model.language_model.embed_tokens.weight"],

@@ -84,10 +84,9 @@ class VisionAttention(nn.Module):
             return t.view(n, s, self.heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5 + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = (probs @ v).transpose(1, 2).reshape(n, s, -1)
-        return self.o_proj(out)
+        # bias [N, 1, S, S] additive; every query row has unmasked keys (tile 0).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o_proj(out.transpose(1, 2).reshape(n, s, -1))
 
 
 class VisionMLP(nn.Module):

@@ -33,6 +33,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    model_parallel_is_initialized,
+)
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
 from vllm_hpu_mm import metrics
@@ -190,6 +194,10 @@ class CrossAttentionInputs:
             self._encode = torch.compile(
                 model.encode_images, backend=graphs.counter, dynamic=False
             )
+        # Every rank encodes every image: one of them counts the runs.
+        self.counts_metrics = (
+            not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
+        )
         self.images: dict[str, list[RequestImage]] = {}  # request -> its images
         self.num_tiles: dict[str, int] = {}  # image key -> its real tiles
         cache_mib = (
@@ -253,7 +261,8 @@ class CrossAttentionInputs:
             self.images[req_id] = images
         if pending:
             self._encode_pending(pending)
-        metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
+        if self.counts_metrics:
+            metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
 
     def _release(self, req_id: str) -> None:
         for im in self.images.pop(req_id, ()):
@@ -279,7 +288,8 @@ class CrossAttentionInputs:
             for k in keys:
                 self.slots.forget(k)
             raise
-        metrics.ENCODER_RUNS.inc(len(keys))
+        if self.counts_metrics:
+            metrics.ENCODER_RUNS.inc(len(keys))
 
     def encode(self, kwargs: dict[str, torch.Tensor], slots: list[int]) -> None:
         """Encode n images (padded to their bucket) into their cache slots."""

@@ -138,11 +138,22 @@ def _set_shutdown_drain(vllm_config: VllmConfig) -> None:
 def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
     """Mllama keeps each image's cross-attention K/V in a cache sized by the
     images per prompt: cap them (vLLM's default, 999, would size it absurdly),
-    so that the API server refuses more with a 400."""
+    so that the API server refuses more with a 400. Under tensor parallelism
+    the cross-attention layers split their query and KV heads over the ranks."""
     mc = getattr(vllm_config, "model_config", None)
     archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
     if "MllamaForConditionalGeneration" not in archs:
         return
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    text = getattr(mc.hf_config, "text_config", None)  # type: ignore[union-attr]
+    heads = int(getattr(text, "num_attention_heads", 1))
+    kv_heads = int(getattr(text, "num_key_value_heads", heads))
+    if heads % tp or kv_heads % tp:
+        raise UnsupportedConfigError(
+            f"Mllama with --tensor-parallel-size {tp}: its {heads} query and "
+            f"{kv_heads} KV heads must both be multiples of it (each rank holds "
+            f"heads / tp of every attention layer)"
+        )
     mm = getattr(mc, "multimodal_config", None)
     if mm is not None and "image" not in mm.limit_per_prompt:
         from vllm.config.multimodal import ImageDummyOptions

@@ -4,9 +4,10 @@ images are encoded, dominates) on a mid-size random Mllama, run on a baseline
 revision of this repository and on the working tree, one after the other.
 
     .venv/bin/python benchmarks/mllama_e2e.py --baseline-rev 9f4398c \\
-        [--model-dir /tmp/mid-mllama --num-prompts 16 --graph-mode eager]
+        [--baseline-rev REV ...] [--model-dir /tmp/mid-mllama --num-prompts 16
+        --graph-mode eager]
 
-The baseline tree is ``git archive``d into a temporary folder and imported
+Each baseline tree is ``git archive``d into a temporary folder and imported
 through ``PYTHONPATH`` (its own code, same venv); both runs get the same flags.
 There is no in-tree switch between the layouts: the tuple+stack layout needs
 HF's projector column order and a cache without padding rows (another loader
@@ -112,7 +113,12 @@ def summary(report: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline-rev", required=True, help="git revision to compare")
+    p.add_argument(
+        "--baseline-rev",
+        required=True,
+        action="append",
+        help="git revision to compare with the working tree (repeat for more)",
+    )
     p.add_argument(
         "--model-dir", default=str(Path(tempfile.gettempdir()) / "mid-mllama")
     )
@@ -125,14 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         build_model(model_dir)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="mllama-e2e-") as tmp:
-        base = Path(tmp) / "baseline"
-        base.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", args.baseline_rev], cwd=ROOT, check=True,
-            capture_output=True,
-        )  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
-        for name, tree in (("baseline", base), ("this tree", ROOT)):
+        trees: list[tuple[str, Path]] = []
+        for rev in args.baseline_rev:
+            tree = Path(tmp) / rev
+            tree.mkdir()
+            archive = subprocess.run(
+                ["git", "archive", rev], cwd=ROOT, check=True, capture_output=True
+            )
+            subprocess.run(
+                ["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True
+            )
+            trees.append((rev, tree))
+        trees.append(("this tree", ROOT))
+        for name, tree in trees:
             out = Path(tmp) / f"{name.replace(' ', '_')}.json"
             results[name] = run_tree(tree, bench_args(args, model_dir, out))
     table = {name: summary(r) for name, r in results.items()}
@@ -144,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {t['requests_per_s']} | {t['total_tokens_per_s']} "
             f"| {t['elapsed_s']} | {t['ttft_p50_ms']} |"
         )
-    base, ours = table["baseline"], table["this tree"]
-    ratio = ours["requests_per_s"] / base["requests_per_s"]
-    print(f"this tree / baseline requests/s: {ratio:.3f}x")
+    ours = table["this tree"]["requests_per_s"]
+    for rev in args.baseline_rev:
+        ratio = ours / table[rev]["requests_per_s"]
+        print(f"this tree / {rev} requests/s: {ratio:.3f}x")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(table, indent=2))
     return 0

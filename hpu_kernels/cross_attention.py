@@ -43,9 +43,12 @@ def _attend(
     return torch.einsum("qhgk,qkhd->qhgd", probs, value)
 
 
-def _rows(tile_mask: torch.Tensor, patches: int) -> torch.Tensor:
-    """[..., images, tiles] -> [..., images * tiles * patches]."""
-    wide = tile_mask.unsqueeze(-1).expand(*tile_mask.shape, patches)
+def _rows(tile_mask: torch.Tensor, padded: int, patches: int | None) -> torch.Tensor:
+    """[..., images, tiles] -> [..., images * tiles * padded]; padding rows False."""
+    wide = tile_mask.unsqueeze(-1).expand(*tile_mask.shape, padded)
+    if patches is not None and patches < padded:
+        real = torch.arange(padded, device=tile_mask.device) < patches  # [padded]
+        wide = wide & real
     return wide.reshape(*tile_mask.shape[:-2], -1)
 
 
@@ -55,17 +58,18 @@ def cross_attention_decode(
     slots: torch.Tensor,  # [B, M] int64
     tile_mask: torch.Tensor,  # [B, M, tiles] bool
     scale: float,
+    patches: int | None = None,  # real rows of a tile; None: all
 ) -> torch.Tensor:
     b, h, d = query.shape
     hkv = cache.shape[3]
     m = slots.shape[1]
-    patches = cache.shape[2] // tile_mask.shape[-1]
+    padded = cache.shape[2] // tile_mask.shape[-1]
     key = cache[0].index_select(0, slots.flatten()).view(b, m * cache.shape[2], hkv, d)
     value = (
         cache[1].index_select(0, slots.flatten()).view(b, m * cache.shape[2], hkv, d)
     )
     q = query.view(b, hkv, h // hkv, d)
-    out = _attend(q, key, value, _rows(tile_mask, patches), scale)
+    out = _attend(q, key, value, _rows(tile_mask, padded, patches), scale)
     return out.reshape(b, h, d)
 
 
@@ -75,13 +79,14 @@ def cross_attention_prefill(
     slots: torch.Tensor,  # [N] int64
     tile_mask: torch.Tensor,  # [T, N, tiles] bool
     scale: float,
+    patches: int | None = None,  # real rows of a tile; None: all
 ) -> torch.Tensor:
     t, h, d = query.shape
     hkv = cache.shape[3]
     n = slots.shape[0]
-    patches = cache.shape[2] // tile_mask.shape[-1]
+    padded = cache.shape[2] // tile_mask.shape[-1]
     key = cache[0].index_select(0, slots).view(1, n * cache.shape[2], hkv, d)
     value = cache[1].index_select(0, slots).view(1, n * cache.shape[2], hkv, d)
     q = query.view(t, hkv, h // hkv, d)
-    out = _attend(q, key, value, _rows(tile_mask, patches), scale)
+    out = _attend(q, key, value, _rows(tile_mask, padded, patches), scale)
     return out.reshape(t, h, d)

@@ -35,7 +35,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
-    _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt, TP
+    _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt
     _check_lazy_mode(plugin_config, vllm_config, device_type)  # 10. HPU lazy mode
     _set_worker_start_method(device_type)  # 11. HPU workers are spawned
     _enable_fused_ops(vllm_config, device_type)  # 12. Gaudi's fused norm, RoPE
@@ -142,15 +142,21 @@ def _set_shutdown_drain(vllm_config: VllmConfig) -> None:
 def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
     """Mllama keeps each image's cross-attention K/V in a cache sized by the
     images per prompt: cap them (vLLM's default, 999, would size it absurdly),
-    so that the API server refuses more with a 400."""
+    so that the API server refuses more with a 400. Under tensor parallelism
+    the cross-attention layers split their query and KV heads over the ranks."""
     mc = getattr(vllm_config, "model_config", None)
     archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
     if "MllamaForConditionalGeneration" not in archs:
         return
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    text = getattr(mc.hf_config, "text_config", None)  # type: ignore[union-attr]
+    heads = int(getattr(text, "num_attention_heads", 1))
+    kv_heads = int(getattr(text, "num_key_value_heads", heads))
+    if heads % tp or kv_heads % tp:
         raise UnsupportedConfigError(
-            "vllm-hpu-mm runs Mllama on one device: its cross-attention layers "
-            "are not sharded (drop --tensor-parallel-size)"
+            f"Mllama with --tensor-parallel-size {tp}: its {heads} query and "
+            f"{kv_heads} KV heads must both be multiples of it (each rank holds "
+            f"heads / tp of every attention layer)"
         )
     mm = getattr(mc, "multimodal_config", None)
     if mm is not None and "image" not in mm.limit_per_prompt:

@@ -2,9 +2,11 @@
 
 Both run the tiny Mllama's vision weights (``models/tiny-mllama``) on Pillow-made
 images of several aspect ratios (1 to 4 tiles of the 4 the model takes). The
-plugin's ``forward`` writes into a preallocated ``encoder_states`` buffer and
-returns a view of it; ``forward_stacked`` keeps HF's tuple-and-stack order of
-work. A dispatch mode records the aten ops each path runs.
+plugin's ``forward`` fills a preallocated ``encoder_states`` buffer (eager) or
+builds it with one ``cat`` (graph mode), layer-major and with each tile's padding
+rows; ``hf_layout`` cuts the padding rows and reorders the columns to HF's for the
+comparison. ``forward_stacked`` keeps HF's tuple-and-stack order of work. A
+dispatch mode records the aten ops each path runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.mm_reference import make_image
-from vllm_hpu_mm.models.mllama.vision import MllamaVisionEncoder, tile_attention_bias
+from vllm_hpu_mm.models.mllama.vision import (
+    MllamaProjector,
+    MllamaVisionEncoder,
+    feature_order,
+    tile_attention_bias,
+)
 
 PREFIX = "model.vision_model."
 ATOL = RTOL = 1e-4
@@ -32,7 +39,8 @@ IMAGES = [
 
 
 class _Ops(TorchDispatchMode):
-    """Records (op, tensor args, output) of every aten op run under it."""
+    """Records (op, tensor args, output) of every aten op run under it, views
+    (which move no data) left out."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +48,8 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        self.calls.append((func.overloadpacket, args, out))
+        if not func.is_view:
+            self.calls.append((func.overloadpacket, args, out))
         return out
 
     def of(self, op: Any) -> list[tuple[Any, tuple[Any, ...], Any]]:
@@ -106,6 +115,22 @@ def _inputs(
     )
 
 
+def hf_layout(encoder: MllamaVisionEncoder, states: torch.Tensor) -> torch.Tensor:
+    """[N, tiles, padded, D] layer-major -> HF's [N, tiles, patches, D]."""
+    # ours[..., j] is HF's column order[j]: HF's column c is ours[..., argsort[c]].
+    order = feature_order(encoder.hidden, len(encoder.intermediate))
+    return states[:, :, : encoder.num_patches][..., torch.argsort(order)]
+
+
+def test_feature_order_matches_stack_then_flatten() -> None:
+    hidden, k = 3, 2
+    layers = [torch.arange(hidden) + 10 * (1 + j) for j in range(k)]
+    final = torch.arange(hidden)
+    hf = torch.cat([final, torch.stack(layers, dim=-1).flatten()])  # HF's order
+    ours = torch.cat([final, *layers])  # layer-major
+    assert torch.equal(ours, hf[feature_order(hidden, k)])
+
+
 def test_images_cover_every_tile_count(pixels: dict[str, torch.Tensor]) -> None:
     assert sorted(set(pixels["num_tiles"].tolist())) == [1, 2, 3, 4]
     # 1x2 and 2x1 have the same tile count but different aspect-ratio ids.
@@ -120,8 +145,50 @@ def test_forward_matches_hf(
     buf = encoder.new_states(n, torch.device("cpu"), torch.float32)
     with torch.no_grad():
         out = encoder(*_inputs(pixels, list(range(n))), buf)
-    assert out.shape == reference.shape
-    torch.testing.assert_close(out, reference, atol=ATOL, rtol=RTOL)
+    assert out is buf
+    torch.testing.assert_close(hf_layout(encoder, out), reference, atol=ATOL, rtol=RTOL)
+
+
+def test_graph_mode_form_equals_the_buffer(
+    models: Any, pixels: dict[str, torch.Tensor]
+) -> None:
+    """No buffer in (graph mode's form): the same tensor, made by one cat."""
+    _, encoder = models
+    n = len(IMAGES)
+    buf = encoder.new_states(n, torch.device("cpu"), torch.float32)
+    with torch.no_grad(), _Ops() as ops:
+        made = encoder(*_inputs(pixels, list(range(n))))
+    with torch.no_grad():
+        filled = encoder(*_inputs(pixels, list(range(n))), buf)
+    assert made.is_contiguous() and made.shape == buf.shape
+    assert torch.equal(made, filled)
+    cats = [tuple(out.shape) for _, _, out in ops.of(torch.ops.aten.cat)]
+    rows = encoder.tiles * encoder.padded
+    assert (n, rows, encoder.output_dim) in cats  # the buffer: one cat
+    assert not ops.of(torch.ops.aten.stack)
+    assert not ops.of(torch.ops.aten.copy_)
+
+
+def test_projector_reads_the_layout_as_hf_does(
+    models: Any, pixels: dict[str, torch.Tensor], reference: torch.Tensor
+) -> None:
+    """The checkpoint's projector weight, loaded through the permuting loader,
+    gives HF's projection of HF's layout on the real rows."""
+    _, encoder = models
+    gen = torch.Generator().manual_seed(0)
+    hf_proj = torch.nn.Linear(encoder.output_dim, 48)
+    with torch.no_grad():
+        hf_proj.weight.copy_(torch.randn(hf_proj.weight.shape, generator=gen))
+    proj = MllamaProjector(encoder.output_dim, 48, encoder.hidden)
+    proj.weight.weight_loader(proj.weight, hf_proj.weight.detach())  # type: ignore[attr-defined]
+    with torch.no_grad():
+        proj.bias.copy_(hf_proj.bias)
+        n = len(IMAGES)
+        states = encoder(*_inputs(pixels, list(range(n))))
+        got = proj(states)[:, :, : encoder.num_patches]
+        torch.testing.assert_close(got, hf_proj(reference), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        proj.weight.weight_loader(proj.weight, hf_proj.weight[:, 1:])  # type: ignore[attr-defined]
 
 
 def test_forward_stacked_matches_hf(
@@ -142,24 +209,22 @@ def test_single_image_matches_hf(
     buf = encoder.new_states(1, torch.device("cpu"), torch.float32)
     with torch.no_grad():
         out = encoder(*_inputs(pixels, [i]), buf)
-    torch.testing.assert_close(out[0], reference[i], atol=ATOL, rtol=RTOL)
+    got = hf_layout(encoder, out)[0]
+    torch.testing.assert_close(got, reference[i], atol=ATOL, rtol=RTOL)
 
 
-def test_forward_returns_a_view_of_the_buffer(
+def test_forward_fills_a_view_of_the_largest_buffer(
     models: Any, pixels: dict[str, torch.Tensor]
 ) -> None:
     _, encoder = models
     full = encoder.new_states(8, torch.device("cpu"), torch.float32)
     buf = full[:3]  # the runner passes the first rows of its largest buffer
+    assert buf.is_contiguous()  # what the projector's matmul reads as is
     with torch.no_grad():
         out = encoder(*_inputs(pixels, [0, 1, 2]), buf)
     assert out.data_ptr() == full.data_ptr()
-    assert out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-    assert out.shape == (3, encoder.tiles, encoder.num_patches, encoder.output_dim)
-    assert out.stride() == buf.stride()
-    # A write through the buffer shows in the returned tensor.
-    full[1, 2, 3, 4] = 12345.0
-    assert out[1, 2, 3, 4].item() == 12345.0
+    assert out.shape == (3, encoder.tiles, encoder.padded, encoder.output_dim)
+    assert out.is_contiguous()
 
 
 def test_preallocated_path_runs_no_stack_and_no_cat_of_states(
@@ -176,12 +241,21 @@ def test_preallocated_path_runs_no_stack_and_no_cat_of_states(
     assert [tuple(out.shape) for _, _, out in cats] == [
         (n * encoder.tiles, encoder.num_patches, encoder.hidden)
     ]
-    # Every kept layer is written in place into the buffer, one index_copy_ each.
-    copies = ops.of(torch.ops.aten.index_copy_)
-    assert len(copies) == k
+    # Each kept layer and the global output are written once into the buffer,
+    # one layer's worth each: nothing copies the buffer or a slice of it.
     storage = buf.untyped_storage().data_ptr()
-    for _, args, _ in copies:
-        assert args[0].untyped_storage().data_ptr() == storage
+    layer = (n, encoder.tiles * encoder.padded, encoder.hidden)
+    writes = [c for c in ops.calls if c[1] and _in(c[1][0], storage)]
+    assert [c[0] for c in writes] == [torch.ops.aten.copy_] * (k + 1)
+    for _, args, _ in writes:
+        assert tuple(args[0].shape) == tuple(args[1].shape) == layer
+    for _, args, _ in ops.calls:
+        reads = [a for a in args[1:] if isinstance(a, torch.Tensor)]
+        assert not any(_in(a, storage) for a in reads)
+
+
+def _in(t: Any, storage: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage
 
 
 def test_stacked_path_runs_a_stack(
@@ -211,8 +285,9 @@ def test_padded_batch_entry_does_not_change_real_entries(
         buf.fill_(float("nan"))  # stale content must not leak into the result
         with torch.no_grad():
             out = encoder(*_inputs(pixels, real + pad), buf)
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out[:2], reference[real], atol=ATOL, rtol=RTOL)
+        assert torch.isfinite(out).all()  # padding rows included
+        got = hf_layout(encoder, out)[:2]
+        torch.testing.assert_close(got, reference[real], atol=ATOL, rtol=RTOL)
         outs.append(out[:2].clone())
     for other in outs[1:]:
         torch.testing.assert_close(other, outs[0], atol=1e-5, rtol=1e-5)

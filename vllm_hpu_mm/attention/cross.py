@@ -28,6 +28,9 @@ class CrossAttentionMetadata:
     pre_tile_mask: torch.Tensor  # [num_prefill_tokens, N, tiles] bool
     active: torch.Tensor  # [num_tokens, 1]: 1 where the request has images
     mlp_scale: torch.Tensor  # [num_tokens, 1]: 0 before a request's first image
+    # Real rows of a tile; the cache holds the encoder's padded rows per tile
+    # (``vision.rows_per_tile``), of which the rest are never read.
+    patches: int | None = None
 
 
 def cross_layer_registry(
@@ -57,7 +60,12 @@ def cross_attention(
     n_pre = md.num_prefill_tokens  # type: ignore[union-attr]
     if n_dec:
         out[:n_dec] = cross_attention_decode(
-            query[:n_dec], cache, cross.dec_slots, cross.dec_tile_mask, scale
+            query[:n_dec],
+            cache,
+            cross.dec_slots,
+            cross.dec_tile_mask,
+            scale,
+            cross.patches,
         )
     if n_pre and cross.pre_slots.numel():
         out[n_dec : n_dec + n_pre] = cross_attention_prefill(
@@ -66,6 +74,7 @@ def cross_attention(
             cross.pre_slots,
             cross.pre_tile_mask,
             scale,
+            cross.patches,
         )
     return (
         out.view(t, h * d),

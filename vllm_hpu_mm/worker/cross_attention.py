@@ -8,8 +8,14 @@ second request with the same image (or a resumed one) reuses the slot, and
 unreferenced slots stay filled until they are needed (least recently used first),
 so a repeated image is not encoded again.
 
-The encoder writes into one preallocated ``encoder_states`` buffer sized for the
-largest bucket; a bucket of ``n`` images uses its first ``n`` rows (a view).
+Nothing is copied between the vision layers and the cache: eagerly the encoder
+writes into one preallocated ``encoder_states`` buffer sized for the largest
+bucket (a bucket of ``n`` images uses its first ``n`` rows, a view); in graph
+mode the compiled encoder produces it as its graph's output. The projector
+reads it whole, padding rows included, and the cache keeps the padded rows
+(``tiles * rows_per_tile`` per image; the kernels never read the padding rows).
+The encoder's inputs are copied into preallocated bucket inputs (cast to the
+model's dtype on the way); padding entries keep earlier, valid inputs.
 
 Per step, ``metadata`` says which slots and tiles each token row reads, following
 transformers' rule: a token reads the latest group of consecutive images at or
@@ -27,6 +33,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    model_parallel_is_initialized,
+)
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
 from vllm_hpu_mm import metrics
@@ -34,7 +44,6 @@ from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch
-from vllm_hpu_mm.worker.multimodal import encoder_input
 from vllm_hpu_mm.worker.requests import RequestState
 
 logger = logging.getLogger("vllm.hpu_mm.cross_attention")
@@ -135,6 +144,22 @@ def tile_mask(
     return mask.reshape(len(positions), m, tiles), np.asarray(masked_out)
 
 
+def _bucket_inputs(
+    vision: Any, size: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The encoder's inputs for ``size`` images, allocated once: entries past a
+    batch's images are padding, holding earlier images or these valid defaults."""
+    side, tiles = vision.tile_size, vision.tiles
+    return {
+        # [size, tiles, 3, side, side], in the model's dtype
+        "pixel_values": torch.zeros(
+            size, tiles, 3, side, side, dtype=dtype, device=device
+        ),
+        "aspect_ratio_ids": torch.ones(size, dtype=torch.int64, device=device),
+        "aspect_ratio_mask": torch.ones(size, tiles, dtype=torch.int64, device=device),
+    }
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -152,7 +177,8 @@ class CrossAttentionInputs:
         self.device = device
         vision = model.vision
         self.tiles = vision.tiles
-        self.rows = vision.tiles * vision.num_patches
+        self.patches = vision.num_patches  # real rows of a tile
+        self.rows = vision.tiles * vision.padded  # cache rows of an image
         self.max_images = max_images_per_prompt
         max_seqs = vllm_config.scheduler_config.max_num_seqs
         capacity = max_seqs * max_images_per_prompt
@@ -164,12 +190,21 @@ class CrossAttentionInputs:
                 dtype=dtype, device=device,
             )  # fmt: skip
         self.item_buckets = exponential(1, max(1, min(8, capacity)))
-        self.encoder_states = vision.new_states(self.item_buckets[-1], device, dtype)
+        most = self.item_buckets[-1]
+        self.inputs = _bucket_inputs(vision, most, device, dtype)
+        # Eager: the buffer the encoder fills. Graph mode: the graph makes it.
+        self.encoder_states: torch.Tensor | None = None
         self._encode = model.encode_images
-        if graphs.mode == "compile":
+        if graphs.mode != "compile":
+            self.encoder_states = vision.new_states(most, device, dtype)
+        else:
             self._encode = torch.compile(
                 model.encode_images, backend=graphs.counter, dynamic=False
             )
+        # Every rank encodes every image: one of them counts the runs.
+        self.counts_metrics = (
+            not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
+        )
         self.images: dict[str, list[RequestImage]] = {}  # request -> its images
         self.num_tiles: dict[str, int] = {}  # image key -> its real tiles
         cache_mib = (
@@ -181,11 +216,13 @@ class CrossAttentionInputs:
         )
         logger.info(
             "Cross-attention cache: %d image slots x %d rows, %.1f MiB; "
-            "encoder_states buffer %s",
+            "encoder_states %s",
             capacity,
             self.rows,
             cache_mib,
-            tuple(self.encoder_states.shape),
+            "made by the compiled encoder"
+            if self.encoder_states is None
+            else f"buffer {tuple(self.encoder_states.shape)}",
         )
 
     # ---- requests come and go ------------------------------------------------------
@@ -231,7 +268,8 @@ class CrossAttentionInputs:
             self.images[req_id] = images
         if pending:
             self._encode_pending(pending)
-        metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
+        if self.counts_metrics:
+            metrics.ENCODER_CACHE_ITEMS.set(len(self.slots))
 
     def reset(self) -> int:
         """Forget the cached images no running request holds (stale after a
@@ -266,43 +304,34 @@ class CrossAttentionInputs:
             for k in keys:
                 self.slots.forget(k)
             raise
-        metrics.ENCODER_RUNS.inc(len(keys))
+        if self.counts_metrics:
+            metrics.ENCODER_RUNS.inc(len(keys))
 
     def encode(self, kwargs: dict[str, torch.Tensor], slots: list[int]) -> None:
         """Encode n images (padded to their bucket) into their cache slots."""
         n = len(slots)
         size = smallest_fit(n, self.item_buckets) or n
-        pad = size - n
-
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            t = encoder_input(t.to(self.device), self.encoder_states.dtype)
-            if not t.is_inference():
-                t = t.clone()
-            return torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t
-
-        states = self._encode(
-            padded(kwargs["pixel_values"]),
-            padded(kwargs["aspect_ratio_ids"]),
-            padded(kwargs["aspect_ratio_mask"]),
-            self.encoder_states[:size],
-        )
+        for name, buf in self.inputs.items():
+            buf[:n].copy_(kwargs[name])  # host or device, any dtype -> the buffer's
+        states = self._run_encoder(size)
         slot_ids = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self.model.write_cross_kv(states[:n], slot_ids)
 
+    def _run_encoder(self, size: int) -> torch.Tensor:
+        """[size, tiles * padded rows, text hidden] of the first ``size`` inputs."""
+        i = self.inputs
+        buf = None if self.encoder_states is None else self.encoder_states[:size]
+        return self._encode(
+            i["pixel_values"][:size],
+            i["aspect_ratio_ids"][:size],
+            i["aspect_ratio_mask"][:size],
+            buf,
+        )
+
     def warm_up(self) -> int:
         """Run every images-per-batch bucket once. Returns the number of shapes."""
-        vision = self.model.vision
-        side = vision.tile_size
         for size in self.item_buckets:
-            dtype = self.encoder_states.dtype
-            self._encode(
-                torch.zeros(
-                    size, self.tiles, 3, side, side, dtype=dtype, device=self.device
-                ),
-                torch.ones(size, dtype=torch.int64, device=self.device),
-                torch.ones(size, self.tiles, dtype=torch.int64, device=self.device),
-                self.encoder_states[:size],
-            )
+            self._run_encoder(size)
         return len(self.item_buckets)
 
     # ---- per step ------------------------------------------------------------------
@@ -353,4 +382,5 @@ class CrossAttentionInputs:
             pre_tile_mask=t(pre_mask),
             active=t(active[:, None]),
             mlp_scale=t(mlp_scale[:, None]),
+            patches=self.patches,
         )

@@ -302,7 +302,7 @@ def _encode_cross_images(cross: CrossAttentionInputs, items: int) -> None:
     """``items`` images of zero tiles through the vision encoder into the
     cross-attention cache's slots 1..items (unowned before serving starts)."""
     side = cross.model.vision.tile_size
-    dtype, device = cross.encoder_states.dtype, cross.device
+    dtype, device = cross.inputs["pixel_values"].dtype, cross.device
     cross.encode(
         {
             "pixel_values": torch.zeros(
@@ -336,6 +336,7 @@ def _cross_metadata(cross: CrossAttentionInputs, num_tokens: int) -> Any:
         ),
         active=ones,
         mlp_scale=ones.clone(),
+        patches=cross.patches,
     )
 
 

@@ -3,7 +3,8 @@
 Text model: Llama self-attention layers (vLLM's ``LlamaDecoderLayer`` on the
 plugin's paged attention) interleaved with gated cross-attention layers that
 read image K/V from the plugin's cross-attention cache (``hpu_mm::cross_attention``).
-Vision model: ``vision.MllamaVisionEncoder`` (preallocated ``encoder_states``).
+Vision model: ``vision.MllamaVisionEncoder`` (``encoder_states`` in the layout
+the projector reads), replicated on every rank under tensor parallelism.
 
 The runner (``worker.cross_attention``) encodes each image once, when its request
 arrives: ``encode_images`` runs the vision encoder and the projector, and
@@ -19,7 +20,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -39,25 +42,51 @@ from vllm_hpu_mm.models.mllama.processing import (
     MllamaMultiModalProcessor,
     MllamaProcessingInfo,
 )
-from vllm_hpu_mm.models.mllama.vision import MllamaVisionEncoder
+from vllm_hpu_mm.models.mllama.vision import MllamaProjector, MllamaVisionEncoder
 
 
 class MllamaCrossAttention(nn.Module):
+    """Gated cross-attention of text tokens over the images' cached K/V.
+
+    Under tensor parallelism each rank holds ``heads / tp`` query heads and
+    ``kv heads / tp`` KV heads (column-parallel q/k/v, as vLLM's Llama shards its
+    self-attention; a row-parallel ``o_proj`` sums the ranks' outputs), and its
+    cross-attention cache only its own KV heads.
+    """
+
     def __init__(self, config: Any, layer_name: str, registry: dict) -> None:
         super().__init__()
         hidden = int(config.hidden_size)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
-        self.head_dim = hidden // self.num_heads
+        tp = get_tensor_model_parallel_world_size()
+        total_heads = int(config.num_attention_heads)
+        total_kv = int(config.num_key_value_heads)
+        if total_heads % tp or total_kv % tp:
+            raise ValueError(
+                f"Mllama cross-attention: {total_heads} query and {total_kv} KV "
+                f"heads cannot be split over --tensor-parallel-size {tp} (both "
+                f"must be multiples of it)"
+            )
+        self.num_heads, self.num_kv_heads = total_heads // tp, total_kv // tp
+        self.head_dim = hidden // total_heads
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        d = self.head_dim
+        p = layer_name
+        self.q_proj = ColumnParallelLinear(
+            hidden, total_heads * d, bias=False, prefix=f"{p}.q_proj"
+        )
+        self.k_proj = ColumnParallelLinear(
+            hidden, total_kv * d, bias=False, prefix=f"{p}.k_proj"
+        )
+        self.v_proj = ColumnParallelLinear(
+            hidden, total_kv * d, bias=False, prefix=f"{p}.v_proj"
+        )
+        self.o_proj = RowParallelLinear(
+            total_heads * d, hidden, bias=False, prefix=f"{p}.o_proj"
+        )
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.layer_name = layer_name
-        # [2, slots, rows, kv heads, head]; bound by the runner.
+        # [2, slots, rows, kv heads of this rank, head]; bound by the runner.
         self.cache = torch.empty(0)
         cross_layer_registry(registry, layer_name, self)
 
@@ -65,14 +94,14 @@ class MllamaCrossAttention(nn.Module):
         """states [N, rows, hidden] -> keys, values [N, rows, kv heads, head]."""
         n, rows, _ = states.shape
         shape = (n, rows, self.num_kv_heads, self.head_dim)
-        key = self.k_norm(self.k_proj(states).view(shape))
-        return key, self.v_proj(states).view(shape)
+        key = self.k_norm(self.k_proj(states)[0].view(shape))
+        return key, self.v_proj(states)[0].view(shape)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = hidden.shape[0]
-        q = self.q_norm(self.q_proj(hidden).view(t, self.num_heads, self.head_dim))
-        out, active, mlp_scale = cross_attention(q, self.layer_name)
-        return self.o_proj(out), active, mlp_scale
+        q = self.q_proj(hidden)[0].view(t, self.num_heads, self.head_dim)
+        out, active, mlp_scale = cross_attention(self.q_norm(q), self.layer_name)
+        return self.o_proj(out)[0], active, mlp_scale
 
 
 class MllamaCrossAttentionDecoderLayer(nn.Module):
@@ -145,8 +174,11 @@ class MllamaModel(nn.Module):
         self.language_model = MllamaTextModel(
             vllm_config, config.text_config, f"{prefix}.language_model"
         )
-        self.multi_modal_projector = nn.Linear(
-            config.vision_config.vision_output_dim, config.text_config.hidden_size
+        # Replicated on every rank, as the vision encoder (see README).
+        self.multi_modal_projector = MllamaProjector(
+            config.vision_config.vision_output_dim,
+            config.text_config.hidden_size,
+            self.vision_model.hidden,
         )
 
 
@@ -199,13 +231,19 @@ class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
         pixel_values: torch.Tensor,
         aspect_ratio_ids: torch.Tensor,
         aspect_ratio_mask: torch.Tensor,
-        encoder_states: torch.Tensor,
+        encoder_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Vision encoder + projector: [N, tiles * patches, text hidden]."""
+        """Vision encoder + projector: [N, tiles * padded rows, text hidden].
+
+        ``encoder_states`` (eager): the buffer the encoder fills; None in graph
+        mode, where the graph produces it. The projector reads it whole (padding
+        rows included, contiguous: no copy); the cross-attention kernels skip
+        the padding rows.
+        """
         feats = self.vision(
             pixel_values, aspect_ratio_ids, aspect_ratio_mask, encoder_states
         )
-        out = self.model.multi_modal_projector(feats)  # [N, tiles, patches, hidden]
+        out = self.model.multi_modal_projector(feats)  # [N, tiles, padded, hidden]
         return out.view(out.shape[0], -1, out.shape[-1])
 
     def write_cross_kv(self, states: torch.Tensor, slots: torch.Tensor) -> None:

@@ -1,18 +1,29 @@
-"""Mllama's vision encoder, writing its outputs into one ``encoder_states`` buffer.
+"""Mllama's vision encoder, producing one ``encoder_states`` tensor per batch.
 
 HF's encoder keeps every local layer's output in a tuple, stacks the selected
 intermediate layers (``intermediate_layers_indices``) on a new last axis and
-concatenates them after the final hidden state: the projector's input is
-``[images, tiles, rows, hidden * (1 + K)]`` with feature ``hidden + d * K + k``
-holding dimension ``d`` of intermediate layer ``k``.
+concatenates them after the final hidden state, with the padding rows of each
+tile cut off: its projector input is ``[images, tiles, patches, hidden * (1 + K)]``
+with feature ``hidden + d * K + k`` holding dimension ``d`` of kept layer ``k``.
 
-Here the caller passes that tensor in, preallocated (the runner allocates one per
-images bucket at warmup). Each selected layer writes its output into the buffer's
-``[..., hidden:]`` part as it finishes (``index_copy_`` along the K axis with an
-index tensor, so one graph serves every layer), and the global encoder's output
-lands in ``[..., :hidden]``. What the projector reads is a view of the buffer:
-no tuple, no stack, no concatenation copy. ``forward_stacked`` keeps HF's
-tuple-and-stack order of work for the benchmark and the tests.
+Here ``encoder_states`` is ``[images, tiles, padded rows, hidden * (1 + K)]``,
+layer-major: columns ``[0, hidden)`` hold the global encoder's output and
+``[(1 + k) * hidden, (2 + k) * hidden)`` kept layer ``k`` (``feature_order`` maps
+the columns to HF's; the projector's weight columns are permuted to match when
+the checkpoint is loaded). It is what the projector consumes as is: contiguous,
+padding rows included (the cross-attention kernels never read those rows), so
+nothing is sliced or copied between the encoder and the cross-attention K/V.
+
+- eager: the caller passes the buffer (the runner allocates one per images
+  bucket); each kept layer's output is written into its column block as the
+  layer finishes, the global output last. One write per element, no stack.
+- graph mode: no buffer goes in; the compiled graph produces ``encoder_states``
+  as its output with one ``cat`` of the kept layers' outputs. A mutated graph
+  input would be functionalized into a ``slice_scatter`` of the whole buffer per
+  write plus a copy back; a ``cat`` writes each element once.
+
+``forward_stacked`` keeps HF's tuple-and-stack order of work (and HF's layout)
+for the benchmark and the tests.
 """
 
 from __future__ import annotations
@@ -27,6 +38,14 @@ from torch import nn
 def rows_per_tile(num_patches: int) -> int:
     """Rows a tile occupies inside the encoder: patches + CLS, padded to 8."""
     return num_patches + (8 - num_patches % 8) % 8
+
+
+def feature_order(hidden: int, kept: int) -> torch.Tensor:
+    """[hidden * (1 + kept)] int64: column ``j`` of ``encoder_states`` holds HF's
+    column ``feature_order(...)[j]`` (ours layer-major, HF's ``hidden + d * K + k``)."""
+    # [kept, hidden] grid of HF column indices d * K + k, read row by row.
+    inter = torch.arange(hidden * kept).view(hidden, kept).t().reshape(-1)
+    return torch.cat([torch.arange(hidden), hidden + inter])
 
 
 def tile_attention_bias(
@@ -65,10 +84,9 @@ class VisionAttention(nn.Module):
             return t.view(n, s, self.heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5 + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = (probs @ v).transpose(1, 2).reshape(n, s, -1)
-        return self.o_proj(out)
+        # bias [N, 1, S, S] additive; every query row has unmasked keys (tile 0).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o_proj(out.transpose(1, 2).reshape(n, s, -1))
 
 
 class VisionMLP(nn.Module):
@@ -195,13 +213,6 @@ class MllamaVisionEncoder(nn.Module):
             eps,
             gated=True,
         )
-        # Slot k of the intermediate axis, as a 1-element index tensor per layer
-        # (-1: not kept). Index tensors keep one traced graph for every layer.
-        slots = torch.full((len(self.transformer.layers),), -1, dtype=torch.int64)
-        for k, layer_idx in enumerate(self.intermediate):
-            slots[layer_idx] = k
-        self.layer_slot: torch.Tensor
-        self.register_buffer("layer_slot", slots, persistent=False)
 
     @property
     def output_dim(self) -> int:
@@ -255,25 +266,37 @@ class MllamaVisionEncoder(nn.Module):
         pixel_values: torch.Tensor,  # [N, tiles, C, H, W]
         aspect_ratio_ids: torch.Tensor,  # [N]
         aspect_ratio_mask: torch.Tensor,  # [N, tiles]
-        encoder_states: torch.Tensor,  # [N, tiles, padded rows, output_dim]
+        encoder_states: torch.Tensor | None = None,  # [N, tiles, padded, output_dim]
     ) -> torch.Tensor:
-        """Fill ``encoder_states``; return its [N, tiles, patches, output_dim] view."""
+        """``encoder_states`` [N, tiles, padded rows, output_dim], layer-major.
+
+        Given (eager), it is filled in place and returned; None (graph mode), it
+        is built by one ``cat`` and returned as the graph's output.
+        """
         n = pixel_values.shape[0]
-        k = len(self.intermediate)
         x, bias = self._embed(pixel_values, aspect_ratio_ids, aspect_ratio_mask)
-        # [N, tiles*rows, hidden, K] view of the intermediate part of the buffer.
-        kept = encoder_states[..., self.hidden :].view(
-            n, self.tiles * self.padded, self.hidden, k
-        )
+        kept: dict[int, torch.Tensor] = {}  # layer index -> its output
         for i, layer in enumerate(self.transformer.layers):
-            x = layer(x, bias)
-            if i in self.intermediate:
-                kept.index_copy_(3, self.layer_slot[i : i + 1], x.unsqueeze(-1))
+            x = layer(x, bias)  # [N, tiles * padded, hidden]
+            if i not in self.intermediate:
+                continue
+            if encoder_states is None:
+                kept[i] = x
+                continue
+            for k in (k for k, j in enumerate(self.intermediate) if j == i):
+                self._block(encoder_states, 1 + k).copy_(x)
         x = self._global(x, aspect_ratio_ids, bias)
-        encoder_states[..., : self.hidden].copy_(
-            x.view(n, self.tiles, self.padded, self.hidden)
-        )
-        return encoder_states[:, :, : self.num_patches]
+        if encoder_states is None:
+            parts = [x, *(kept[i] for i in self.intermediate)]
+            out = torch.cat(parts, dim=-1)  # [N, tiles * padded, output_dim]
+            return out.view(n, self.tiles, self.padded, self.output_dim)
+        self._block(encoder_states, 0).copy_(x)
+        return encoder_states
+
+    def _block(self, states: torch.Tensor, b: int) -> torch.Tensor:
+        """[N, tiles * padded, hidden] view of column block ``b`` of ``states``."""
+        rows = states.view(states.shape[0], self.tiles * self.padded, -1)
+        return rows[..., b * self.hidden : (b + 1) * self.hidden]
 
     def forward_stacked(
         self,
@@ -281,7 +304,8 @@ class MllamaVisionEncoder(nn.Module):
         aspect_ratio_ids: torch.Tensor,
         aspect_ratio_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """The tuple-and-stack baseline (HF's order of work), same result."""
+        """The tuple-and-stack baseline (HF's order of work and layout):
+        [N, tiles, patches, output_dim], padding rows cut off."""
         n = pixel_values.shape[0]
         x, bias = self._embed(pixel_values, aspect_ratio_ids, aspect_ratio_mask)
         states: tuple[torch.Tensor, ...] = ()
@@ -293,3 +317,29 @@ class MllamaVisionEncoder(nn.Module):
         kept = torch.stack([states[i] for i in self.intermediate], dim=-1)
         kept = kept.view(n, self.tiles, self.padded, -1)[:, :, : self.num_patches]
         return torch.cat([x, kept], dim=-1)
+
+
+class MllamaProjector(nn.Linear):
+    """``multi_modal_projector``: [..., output_dim] layer-major -> [..., text hidden].
+
+    Checkpoints hold HF's weight, whose columns follow HF's feature order; its
+    ``weight_loader`` permutes them to ``encoder_states``' layer-major columns
+    (``feature_order``), so the projector reads the buffer as it is.
+    """
+
+    def __init__(self, in_features: int, out_features: int, hidden: int) -> None:
+        super().__init__(in_features, out_features)
+        kept = in_features // hidden - 1
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+        self.columns: torch.Tensor
+        self.register_buffer("columns", feature_order(hidden, kept), persistent=False)
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(
+                f"multi_modal_projector.weight: checkpoint shape "
+                f"{tuple(loaded.shape)}, model {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            cols = self.columns.to(loaded.device)
+            param.copy_(loaded.index_select(1, cols))

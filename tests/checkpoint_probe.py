@@ -69,6 +69,19 @@ def _expected(name: str, hf: dict[str, torch.Tensor]) -> list[str] | None:
     return None
 
 
+def _column_order(name: str, hf_model: Any) -> torch.Tensor | None:
+    """Columns a vLLM parameter holds in another order than transformers', by
+    design: Mllama's projector reads ``encoder_states`` layer-major
+    (``vllm_hpu_mm.models.mllama.vision.feature_order``), HF's features are
+    interleaved; derived here from HF's own config."""
+    if not name.endswith("multi_modal_projector.weight"):
+        return None
+    from vllm_hpu_mm.models.mllama.vision import feature_order
+
+    vision = hf_model.config.vision_config
+    return feature_order(vision.hidden_size, len(vision.intermediate_layers_indices))
+
+
 def compare(vllm_model: Any, hf_model: Any, arch: str) -> dict[str, Any]:
     """What does not match between the two models' tensors."""
     hf = {_vllm_name(n, arch): t for n, t in hf_model.state_dict().items()}
@@ -82,6 +95,9 @@ def compare(vllm_model: Any, hf_model: Any, arch: str) -> dict[str, Any]:
             continue
         used.update(parts)
         want = torch.cat([hf[p] for p in parts])
+        columns = _column_order(name, hf_model)
+        if columns is not None:
+            want = want[:, columns]
         # Vocabulary-parallel layers pad the vocabulary to a multiple of 64.
         got = param.detach()[: want.shape[0]]
         if got.shape != want.shape or not torch.equal(got, want):

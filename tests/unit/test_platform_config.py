@@ -21,7 +21,6 @@ from vllm_hpu_mm.platform_config import (
     validate_sampling_params,
 )
 
-
 # ---- a stand-in VllmConfig -----------------------------------------------------
 
 

@@ -289,8 +289,8 @@ class HpuMMModelRunner:
             apply_grammar_bitmask(
                 pending.scheduler_output,
                 grammar_output,
-                self.input_batch,
-                logits,  # type: ignore[arg-type]
+                self.input_batch,  # type: ignore[arg-type]  # reads .req_ids
+                logits,
             )
         out = self.sampler(logits, self.input_batch.metadata)
         sampled = out.sampled_token_ids[:, 0].tolist()

@@ -1,0 +1,187 @@
+"""Run vLLM 0.33.0's own e2e test files through the plugin.
+
+``python -m tests.vllm_upstream.harness`` (``make test-vllm-upstream``):
+
+1. downloads vLLM 0.33.0's source distribution from the package index with
+   pip (cached under ``~/.cache/vllm-hpu-mm``) and checks its sha256;
+2. extracts its ``tests/`` folder into a temporary directory (never into the
+   repository);
+3. in the selected files only, replaces the hub model names by the tiny local
+   models and shrinks sizes (``SUBSTITUTIONS``), nothing else;
+4. runs pytest on them, vLLM's ``tests`` package first on the path, with the
+   cases whose expectations belong to the hub model they were written for
+   deselected (``DESELECT``, each with its reason).
+
+It is a separate target, not part of ``make test``: it needs the package index
+at test time and several engine starts (minutes on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.33.0"
+SDIST = f"vllm-{VERSION}.tar.gz"
+SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-hpu-mm"
+
+# What vLLM's tests/conftest.py imports beyond the plugin's own requirements;
+# installed by pip into the cache (never into the venv), on the path of the run.
+TEST_DEPS = ("tblib==3.2.2", "pytest-asyncio==1.5.0")
+
+TINY_LLAMA = str(REPO_ROOT / "models" / "tiny-llama")
+
+# file in the sdist's tests/ -> [(hub text, replacement)]
+SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
+    "v1/sample/test_sampling_params_e2e.py": [
+        ("hmellor/tiny-random-LlamaForCausalLM", TINY_LLAMA),
+    ],
+    "samplers/test_no_bad_words.py": [
+        ("hmellor/tiny-random-LlamaForCausalLM", TINY_LLAMA),
+        ("distilbert/distilgpt2", TINY_LLAMA),
+    ],
+    "samplers/test_ignore_eos.py": [
+        ('["distilbert/distilgpt2", "meta-llama/Llama-3.2-1B"]', f'["{TINY_LLAMA}"]'),
+    ],
+    "samplers/test_logprobs.py": [("distilbert/distilgpt2", TINY_LLAMA)],
+    "entrypoints/llm/test_generate.py": [("distilbert/distilgpt2", TINY_LLAMA)],
+    "entrypoints/openai/completion/test_completion.py": [
+        ('"Qwen/Qwen3-0.6B"', f'"{TINY_LLAMA}"'),
+    ],
+    "entrypoints/openai/chat_completion/test_chat.py": [
+        ('"HuggingFaceH4/zephyr-7b-beta"', f'"{TINY_LLAMA}"'),
+    ],
+}
+# Not run: v1/sample/test_logprobs_e2e.py (a GSM8K accuracy run with lm_eval
+# on Llama-3.2-1B: an expectation of the hub model by construction).
+
+# "file::case" -> why it is specific to the hub model
+DESELECT: dict[str, str] = {}
+
+
+def fetch_sdist(cache: Path = CACHE) -> Path:
+    """The sdist, downloaded with pip on first use, checked against the pin."""
+    path = cache / SDIST
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        # vLLM's setup.py derives its version from the target device (it
+        # would call itself 0.33.0+cpu here and pip would refuse it).
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "empty"}
+        env["VLLM_VERSION_OVERRIDE"] = VERSION
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--no-build-isolation",
+                f"vllm=={VERSION}",
+                "-d",
+                str(cache),
+            ],
+            check=True,
+            env=env,
+        )
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        raise RuntimeError(
+            f"{path}: sha256 {digest}, expected {SDIST_SHA256} (pinned); "
+            "delete it to download again"
+        )
+    return path
+
+
+def test_deps(cache: Path = CACHE) -> Path:
+    """A folder holding ``TEST_DEPS`` (pip install --target, once)."""
+    target = cache / ("deps-" + "-".join(TEST_DEPS).replace("==", "_"))
+    if not target.exists():
+        tmp = target.with_suffix(".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-deps",
+                "--target",
+                str(tmp),
+                *TEST_DEPS,
+            ],
+            check=True,
+        )
+        tmp.rename(target)
+    return target
+
+
+def extract(sdist: Path, dest: Path) -> Path:
+    """Extract the sdist's tests/ under ``dest``; returns the root holding it."""
+    prefix = f"vllm-{VERSION}/tests/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(dest, members=members, filter="data")
+    root = dest / f"vllm-{VERSION}"
+    for rel, subs in SUBSTITUTIONS.items():
+        path = root / "tests" / rel
+        text = path.read_text()
+        for old, new in subs:
+            if old not in text:
+                raise RuntimeError(f"{rel}: {old!r} not found (the file changed?)")
+            text = text.replace(old, new)
+        path.write_text(text)
+    return root
+
+
+def run(root: Path, pytest_args: list[str], deps: Path) -> int:
+    files = [f"tests/{rel}" for rel in SUBSTITUTIONS]
+    deselect = [arg for case in DESELECT for arg in ("--deselect", f"tests/{case}")]
+    env = {**os.environ}
+    # vLLM's tests package first; the plugin from this checkout.
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO_ROOT), str(deps)])
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *files,
+        *deselect,
+        *pytest_args,
+    ]
+    return subprocess.run(cmd, cwd=root, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", type=Path, help="extract here and keep it")
+    parser.add_argument("--list", action="store_true", help="list deselected cases")
+    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest")
+    args = parser.parse_args(argv)
+    if args.list:
+        for case, why in DESELECT.items():
+            print(f"{case}: {why}")
+        return 0
+    sdist, deps = fetch_sdist(), test_deps()
+    if args.keep:
+        return run(extract(sdist, args.keep), args.pytest_args, deps)
+    with tempfile.TemporaryDirectory(prefix="vllm_upstream_") as tmp:
+        code = run(extract(sdist, Path(tmp)), args.pytest_args, deps)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

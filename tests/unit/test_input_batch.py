@@ -190,3 +190,36 @@ def test_order_of_maps_rows_to_the_step_layout() -> None:
     batch.sync(s)
     # the step lays out decodes first, e.g. r2, r0, r1
     assert batch.order_of(["r2", "r0", "r1"]) == [1, 2, 0]
+
+
+def test_prompt_logprobs_accumulate_across_chunks() -> None:
+    """Chunks of 4, 4 and 2 prompt tokens give one answer, at the last chunk,
+    equal to the log-softmax of the whole prompt at once."""
+    from vllm_hpu_mm.worker.sampling import PromptLogprobs
+
+    torch.manual_seed(0)
+    head = torch.randn(8, VOCAB)
+    prompt = [3, 9, 4, 1, 7, 7, 2, 5, 6, 8]
+    hidden_of = torch.randn(len(prompt), 8)  # the hidden state of each position
+    s = state(1)
+    s.prompt_token_ids = prompt
+    pl = PromptLogprobs(VOCAB, "raw_logprobs")
+    pl.add(s.req_id, SamplingParams(prompt_logprobs=2))
+    answers = []
+    for start, n in ((0, 4), (4, 4), (8, 2)):
+        s.num_computed_tokens = start
+        # the step's token rows: 3 padding rows, then this chunk
+        hidden = torch.cat([torch.zeros(3, 8), hidden_of[start : start + n]])
+        answers.append(
+            pl.collect(
+                hidden, {s.req_id: 3}, {s.req_id: n}, {s.req_id: s}, lambda h: h @ head
+            )
+        )
+    assert answers[0] == {} and answers[1] == {}
+    got = answers[2][s.req_id]
+    assert got is not None and not pl.pending
+    want = torch.log_softmax(hidden_of[:-1] @ head, -1)  # position p scores p + 1
+    targets = torch.tensor(prompt[1:])
+    assert torch.equal(got.logprob_token_ids[:, 0], targets)
+    assert torch.allclose(got.logprobs[:, 0], want.gather(1, targets[:, None])[:, 0])
+    assert torch.equal(got.logprob_token_ids[:, 1:], want.topk(2).indices)

@@ -1,11 +1,14 @@
 """Structured outputs through the plugin: the grammar bitmask reaches the right rows.
 
 One offline engine (tiny Llama, its byte-level tokenizer spells any JSON) for
-the module. The random model, left free, writes random bytes; every output
-below is checked against its constraint (parsed JSON validated against the
-schema, full regex match, one of the choices), and in a batch that mixes
-constrained and free requests the free ones must equal a run of their own, so
-a bitmask on a wrong row would show on either side.
+the module, in graph mode (torch.compile per bucket, a small explicit bucket
+set): after warmup, constrained steps compile nothing (the bitmask and the
+sampler run outside the graphs). The random model, left free, writes random
+bytes; every output below is checked against its constraint (parsed JSON
+validated against the schema, full regex match, one of the choices, the
+grammar), and in a batch that mixes constrained and free requests the free ones
+must equal a run of their own, so a bitmask on a wrong row would show on
+either side.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_llm_generate import _make_llm, _shutdown
+from tests.e2e.test_llm_generate import _shutdown
 
 pytestmark = pytest.mark.e2e
 
@@ -42,11 +45,27 @@ PROMPTS = ["The quick brown fox", "Hi", "Memory is divided into blocks", "a b c"
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir: str) -> Iterator[Any]:
-    engine = _make_llm(
-        tiny_llama_dir,
+def llm(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from vllm import LLM
+
+    buckets = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
+    buckets.write_text(
+        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4, 8]\nblocks: [4, 16, 32]\n"
+    )
+    engine = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,  # chunked prompts: partial-prefill rows
+        seed=0,
+        additional_config={
+            "hpu_mm": {
+                "graph_mode": "compile",
+                "bucketing": {"strategy": "explicit", "file": str(buckets)},
+                "warmup": {"progress_bar": False},
+            }
+        },
     )
     try:
         yield engine
@@ -131,3 +150,11 @@ def test_mixed_batch(llm: Any) -> None:
     assert [mixed[1].outputs[0].token_ids, mixed[3].outputs[0].token_ids] == [
         o.outputs[0].token_ids for o in alone
     ]
+
+
+def test_no_compilation_after_warmup(llm: Any) -> None:
+    """Runs last: every constrained and mixed step above used warmed-up graphs."""
+    from vllm_hpu_mm.metrics_reader import read_metric
+
+    assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) > 0
+    assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0

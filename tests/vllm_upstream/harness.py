@@ -100,7 +100,8 @@ DESELECT: dict[str, str] = {
     "v1/sample/test_sampling_params_e2e.py::test_stop": (
         "takes the 6th whitespace-separated word of the hub model's greedy text "
         "as a stop string; the tiny model's text has fewer words (IndexError) "
-        "(stop strings: tests/e2e/test_llm_generate.py; stop_token_ids: test_stop_token_ids)"
+        "(stop strings: tests/e2e/test_llm_generate.py; stop token ids: "
+        "test_stop_token_ids here)"
     ),
     "v1/sample/test_sampling_params_e2e.py::test_allowed_token_ids": (
         "forces token ids up to 31999, the hub model's 32000-token vocabulary; "

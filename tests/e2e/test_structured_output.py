@@ -59,6 +59,12 @@ def llm(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         max_num_seqs=8,
         max_num_batched_tokens=64,  # chunked prompts: partial-prefill rows
         seed=0,
+        # A random model loves whitespace, which JSON allows anywhere: compact
+        # JSON keeps the outputs within max_tokens.
+        structured_outputs_config={
+            "backend": "xgrammar",
+            "disable_any_whitespace": True,
+        },
         additional_config={
             "hpu_mm": {
                 "graph_mode": "compile",

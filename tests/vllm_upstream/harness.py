@@ -13,7 +13,8 @@
    deselected (``DESELECT``, each with its reason).
 
 It is a separate target, not part of ``make test``: it needs the package index
-at test time and several engine starts (minutes on a CPU).
+at test time and several engine starts (10 min on a shared 2-core machine:
+92 cases, 71 pass, 21 deselected below with their reasons).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
 # Not run: v1/sample/test_logprobs_e2e.py (a GSM8K accuracy run with lm_eval
 # on Llama-3.2-1B: an expectation of the hub model by construction).
 
+COMPLETION = "entrypoints/openai/completion/test_completion.py"
+CHAT = "entrypoints/openai/chat_completion/test_chat.py"
+
 # "file::case" -> why it is specific to the hub model
 DESELECT: dict[str, str] = {
     "v1/sample/test_sampling_params_e2e.py::test_stop": (
@@ -116,6 +120,36 @@ DESELECT: dict[str, str] = {
         "asserts that distilgpt2's greedy answer continues 'years old' "
         "(bad_words: tests/e2e/test_logits_processors.py)"
     ),
+    f"{COMPLETION}::test_single_completion[{TINY_LLAMA}]": (
+        "expects 5 prompt tokens for 'Hello, my name is', Qwen3's tokenization "
+        "(the tiny tokenizer makes 11)"
+    ),
+    f"{COMPLETION}::test_logprob_token_ids": (
+        "asks for token id 5000; the tiny vocabulary has 640 (vLLM answers 400)"
+    ),
+    f"{COMPLETION}::test_logprob_token_ids_stream": (
+        "asks for token id 5000; the tiny vocabulary has 640 (vLLM answers 400)"
+    ),
+    f"{CHAT}::test_more_than_one_prompt_logprobs_chat[{TINY_LLAMA}]": (
+        "expects zephyr's prompt token at position 3 to be its own top-1, so that "
+        "prompt_logprobs=1 gives one entry; vLLM gives the prompt token plus the "
+        "top-k, two entries when they differ, as here (rank 163) "
+        "(prompt logprobs vs HF: tests/e2e/test_prompt_logprobs.py)"
+    ),
+    f"{CHAT}::test_single_chat_session[{TINY_LLAMA}]": (
+        "compares usage with zephyr's chat-template token count"
+    ),
+    f"{CHAT}::test_structured_outputs_json_chat": (
+        "a trained model closes its JSON strings within 1000 tokens; the random "
+        "one does not (schema checks: tests/e2e/test_structured_output.py)"
+    ),
+    f"{CHAT}::test_response_format_json_object": (
+        "expects the answer to '1+1' ({'result': 2})"
+    ),
+    f"{CHAT}::test_response_format_json_schema": (
+        "expects the answer to '1+1' ({'result': 2})"
+    ),
+    f"{CHAT}::test_complex_message_content": ("expects the answer '2' to a sum"),
 }
 # pytest -k expressions -> why
 DESELECT_EXPR: dict[str, str] = {

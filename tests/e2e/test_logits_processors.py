@@ -196,3 +196,18 @@ def test_presence_and_frequency_penalties_follow_vllm_rule(
             want.append(nxt)
             ids.append(nxt)
         assert tokens == want
+
+
+def test_seeded_sampling_does_not_depend_on_chunking(
+    llm: Any, tiny_llama_dir: str
+) -> None:
+    """A 200-token prompt runs in 4 chunks (64-token budget); asked again, the
+    prefix cache leaves one chunk. A seeded request draws the same tokens both
+    times: discarded partial-prefill draws do not advance its generator."""
+    (prompt,) = _prompt_ids(tiny_llama_dir, (200,), seed=11)
+    params = _params(temperature=1.0, seed=123, max_tokens=8)
+    first = _run(llm, [prompt], params)
+    again = _run(llm, [prompt], params)
+    assert first == again
+    other = _run(llm, [prompt], _params(temperature=1.0, seed=124, max_tokens=8))
+    assert other != first  # the premise: the seed matters

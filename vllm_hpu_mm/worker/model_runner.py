@@ -292,15 +292,27 @@ class HpuMMModelRunner:
                 self.input_batch,  # type: ignore[arg-type]  # reads .req_ids
                 logits,
             )
-        out = self.sampler(logits, self.input_batch.metadata)
-        sampled = out.sampled_token_ids[:, 0].tolist()
         scheduled = pending.scheduler_output.num_scheduled_tokens
         states = self.input_batch.states()
+        # A chunk that stops short of the end of the known tokens is a partial
+        # prefill: its sampled token is not part of the output.
+        partial = [
+            s.num_computed_tokens + scheduled[s.req_id] < s.num_tokens for s in states
+        ]
+        # A seeded request's draw for a discarded token must not advance its
+        # generator (vLLM rewinds it too), so chunking does not change its output.
+        saved = {
+            row: gen.get_state()
+            for row, gen in self.input_batch.generators.items()
+            if partial[row]
+        }
+        out = self.sampler(logits, self.input_batch.metadata)
+        for row, gen_state in saved.items():
+            self.input_batch.generators[row].set_state(gen_state)
+        sampled = out.sampled_token_ids[:, 0].tolist()
         tokens: list[list[int]] = []
-        for state, token in zip(states, sampled, strict=True):
-            # A chunk that stops short of the end of the known tokens is a partial
-            # prefill: its sampled token is not part of the output.
-            if state.num_computed_tokens + scheduled[state.req_id] >= state.num_tokens:
+        for state, token, is_partial in zip(states, sampled, partial, strict=True):
+            if not is_partial:
                 state.output_token_ids.append(token)
                 tokens.append([token])
             else:

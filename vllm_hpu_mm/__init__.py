@@ -20,12 +20,20 @@ _PLATFORM_CLS = {
 
 
 def register() -> str | None:
-    """Platform plugin entry point: the platform's class path (lazy import)."""
+    """Platform plugin entry point: the platform's class path (lazy import).
+
+    Also applies the patches: vLLM resolves the platform in every process that
+    touches it (``cleanup_dist_env_and_memory()`` in a process that never
+    started an engine, too), and the CPU patches must hold from then on.
+    """
     from vllm_hpu_mm.device import select_device
+    from vllm_hpu_mm.patches import apply_patches
 
     _ensure_prometheus_multiprocess_dir()
     # Logs once which device was chosen and why.
-    return _PLATFORM_CLS[select_device().kind]
+    kind = select_device().kind
+    apply_patches()
+    return _PLATFORM_CLS[kind]
 
 
 def register_models() -> None:

@@ -1,9 +1,10 @@
 """Every unavoidable patch of vLLM or torch, in one place.
 
 Each entry says why it exists, what it changes and when it can go. Patches are
-applied by ``apply_patches()`` from the worker's ``init_device`` and from the
-general plugin entry point in every vLLM process (never at import), only where
-their condition holds, and each at most once.
+applied by ``apply_patches()`` from the platform plugin entry point (vLLM
+resolves the platform in every process that uses it, engine or not), the
+general plugin entry point and the worker's ``init_device`` (never at import),
+only where their condition holds, and each at most once.
 """
 
 from __future__ import annotations

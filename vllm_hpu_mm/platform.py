@@ -93,7 +93,9 @@ class _HpuMMPlatformBase(Platform):
 
     @classmethod
     def supports_structured_output(cls) -> bool:
-        return False
+        # The worker splits execute_model from sample_tokens(grammar_output)
+        # and applies vLLM's grammar bitmask to the persistent batch's rows.
+        return True
 
     @classmethod
     def get_punica_wrapper(cls) -> str:

@@ -31,7 +31,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _reject_unsupported(vllm_config)  # 2. features we do not implement
     _choose_worker(vllm_config)  # 3. our worker, whatever the device
     _set_block_size(vllm_config, device_type)  # 4. KV block size
-    _set_scheduling(vllm_config)  # 5. synchronous scheduling
+    _set_scheduling(vllm_config)  # 5. synchronous scheduling (no overlap)
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
@@ -110,9 +110,19 @@ def _set_block_size(vllm_config: VllmConfig, device_type: str) -> None:
 
 
 def _set_scheduling(vllm_config: VllmConfig) -> None:
-    # The runner returns sampled tokens from execute_model; it does not overlap
-    # steps, so async scheduling stays off.
-    vllm_config.scheduler_config.async_scheduling = False
+    # The runner samples each step before the next is scheduled (its sampled
+    # tokens go back to the host); it does not overlap steps yet. vLLM turns
+    # async scheduling on by default before the platform sees the config, so an
+    # explicit --async-scheduling cannot be told from the default here: turn it
+    # off and say so.
+    sc = vllm_config.scheduler_config
+    if sc.async_scheduling:
+        logger.info(
+            "vllm-hpu-mm: async scheduling (--async-scheduling, on by default in "
+            "vLLM) is not supported by the plugin's runner yet; steps run "
+            "synchronously"
+        )
+    sc.async_scheduling = False
 
 
 def _set_compilation(vllm_config: VllmConfig) -> None:
@@ -243,18 +253,11 @@ def _install_request_checks(plugin_config: Any, vllm_config: VllmConfig) -> None
     install(plugin_config, vllm_config)
 
 
-_UNSUPPORTED_SAMPLING = {
-    "min_p": lambda v: bool(v),
-    "logit_bias": lambda v: bool(v),
-    "min_tokens": lambda v: bool(v),
-    "prompt_logprobs": lambda v: v is not None,
-    "structured_outputs": lambda v: v is not None,
-}
-
-
 def validate_sampling_params(params: Any) -> None:
     """Raise RequestRejected (a ValueError, and a 400 in the API server: a bare
-    ValueError raised there would become an empty 500) for options we do not run."""
+    ValueError raised there would become an empty 500) for a request the runner
+    does not serve. Every vLLM sampling option is served (logits processors,
+    structured outputs and prompt logprobs included); pooling is not."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_hpu_mm.serving.errors import RequestRejected
@@ -262,17 +265,4 @@ def validate_sampling_params(params: Any) -> None:
     if not isinstance(params, SamplingParams):
         raise RequestRejected(
             "vllm-hpu-mm serves generation requests only (no pooling)"
-        )
-    used = [
-        f"{name}={getattr(params, name)!r}"
-        for name, is_set in _UNSUPPORTED_SAMPLING.items()
-        if is_set(getattr(params, name, None))
-    ]
-    if used:
-        raise RequestRejected(
-            "vllm-hpu-mm does not support the sampling option(s) "
-            + ", ".join(used)
-            + "; supported: temperature, top_p, top_k, seed, n, logprobs, stop, "
-            "max_tokens, presence/frequency/repetition penalties, "
-            "allowed_token_ids, bad_words"
         )

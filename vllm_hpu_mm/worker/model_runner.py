@@ -1,17 +1,26 @@
 """The plugin's model runner: one code path for hpu, cuda and cpu.
 
-A step: update the request table from the scheduler's output, order the
-requests (decodes first), gather and pad the inputs to the step's shape, run
-the model under vLLM's forward context with our attention metadata, sample with
-vLLM's Sampler, and hand back the tokens. Each part lives in its own module:
-``requests`` (state), ``inputs`` (layout and padding), ``sampling``,
-``kv_cache``; device calls go through ``vllm_hpu_mm.device``.
+A step, split as vLLM's worker interface expects:
+
+- ``execute_model``: update the request table and the persistent batch from
+  the scheduler's output, order the requests (decodes first), gather and pad
+  the inputs to the step's shape, run the model under vLLM's forward context
+  with our attention metadata, gather the logits of each request's last token
+  in persistent-batch row order, collect prompt logprobs; returns None.
+- ``sample_tokens(grammar_output)``: apply the structured-output bitmask (if
+  any) to its requests' rows, sample with vLLM's Sampler (and its logits
+  processors), and hand back the tokens.
+
+Each part lives in its own module: ``requests`` (state), ``input_batch``
+(sampler rows), ``inputs`` (layout and padding), ``sampling``, ``kv_cache``;
+device calls go through ``vllm_hpu_mm.device``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,23 +30,38 @@ from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.interfaces import supports_multimodal
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
 from vllm_hpu_mm.worker.graphs import GraphRunner
+from vllm_hpu_mm.worker.input_batch import PersistentBatch
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
-from vllm_hpu_mm.worker.sampling import build_sampling_metadata
+from vllm_hpu_mm.worker.sampling import PromptLogprobs, build_logits_processors
 from vllm_hpu_mm.worker.shapes import ShapePolicy, bucket_set, engine_limits
 from vllm_hpu_mm.worker.warmup import warm_up
 
 logger = logging.getLogger("vllm.hpu_mm.runner")
+
+
+@dataclass(slots=True)
+class _PendingSample:
+    """What execute_model leaves for sample_tokens."""
+
+    scheduler_output: Any
+    logits: torch.Tensor  # [R, V] in persistent-batch row order
+    prompt_logprobs: dict[str, LogprobsTensors | None]
 
 
 class HpuMMModelRunner:
@@ -51,6 +75,19 @@ class HpuMMModelRunner:
         self.block_size: int = vllm_config.cache_config.block_size
         self.requests = RequestTable(device)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        vocab_size = self.model_config.get_vocab_size()
+        procs, procs_read_outputs = build_logits_processors(vllm_config, device)
+        self.input_batch = PersistentBatch(
+            vllm_config.scheduler_config.max_num_seqs,
+            vocab_size,
+            device,
+            procs,
+            procs_read_outputs,
+        )
+        self.prompt_logprobs = PromptLogprobs(
+            vocab_size, str(self.model_config.logprobs_mode)
+        )
+        self._pending: _PendingSample | None = None
         bucketing = plugin_config.bucketing
         self.shapes = ShapePolicy(
             bucket_set(engine_limits(vllm_config), bucketing),
@@ -143,21 +180,24 @@ class HpuMMModelRunner:
 
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
-        self.requests.update(scheduler_output)
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
+        """Run the model; None means: call ``sample_tokens`` next."""
+        if self._pending is not None:
+            raise RuntimeError("execute_model() twice without sample_tokens()")
+        self._update_requests(scheduler_output)
         zero_blocks(self.kv_caches, scheduler_output.new_block_ids_to_zero or [])
         if self.mm is not None:
             self.mm.on_new_requests(scheduler_output.scheduled_new_reqs)
             self.mm.run_encoders(scheduler_output, self.requests)
         if self.cross is not None:
             self.cross.update(scheduler_output, self.requests)
+        scheduled = scheduler_output.num_scheduled_tokens
+        self.input_batch.sync([self.requests[r] for r in scheduled])
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        req_ids = order_requests(scheduler_output.num_scheduled_tokens)
+        req_ids = order_requests(scheduled)
         states = [self.requests[r] for r in req_ids]
-        query_lens = np.array(
-            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int64
-        )
+        query_lens = np.array([scheduled[r] for r in req_ids], np.int64)
         batch = build_step(
             req_ids,
             states,
@@ -167,11 +207,45 @@ class HpuMMModelRunner:
             self.device,
             self.buffers,
         )
-        logits = self.forward(batch, states)
-        return self.sample(batch, states, logits)
+        hidden, logits = self.forward(batch, states)
+        # Sampler rows follow the persistent batch, not the step layout.
+        order = self.input_batch.order_of(batch.req_ids)
+        if order != list(range(len(order))):
+            logits = logits.index_select(
+                0, torch.tensor(order, dtype=torch.int64, device=logits.device)
+            )
+        prompt_logprobs = self._prompt_logprobs(hidden, batch, scheduled)
+        self._pending = _PendingSample(scheduler_output, logits, prompt_logprobs)
+        return None
 
-    def forward(self, batch: StepBatch, states: list[RequestState]) -> torch.Tensor:
-        """Run the model on the padded batch; logits of each request's last row."""
+    def _update_requests(self, scheduler_output: Any) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.prompt_logprobs.drop(req_id)
+        self.requests.update(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.prompt_logprobs.add(new.req_id, new.sampling_params)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, batch: StepBatch, scheduled: dict[str, int]
+    ) -> dict[str, LogprobsTensors | None]:
+        if not self.prompt_logprobs.pending:
+            return {}
+        starts = {
+            r: int(s) for r, s in zip(batch.req_ids, batch.row_starts, strict=True)
+        }
+        model: Any = self.get_model()
+        return self.prompt_logprobs.collect(
+            hidden, starts, scheduled, self.requests.states, model.compute_logits
+        )
+
+    def forward(
+        self, batch: StepBatch, states: list[RequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model on the padded batch.
+
+        Returns (hidden [padded tokens, H], logits [R, V] of each request's
+        last row, in batch order).
+        """
         graphs = self.graphs
         assert graphs is not None, "load_model() first"
         input_ids: torch.Tensor | None = batch.input_ids
@@ -186,29 +260,53 @@ class HpuMMModelRunner:
         ):
             hidden = graphs.body(input_ids, batch.positions, embeds)
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
-        return logits[: batch.num_reqs]
+        return hidden, logits[: batch.num_reqs]
 
-    def sample(
-        self, batch: StepBatch, states: list[RequestState], logits: torch.Tensor
-    ) -> ModelRunnerOutput:
-        metadata = build_sampling_metadata(
-            states, self.model_config.get_vocab_size(), self.device
-        )
-        out = self.sampler(logits, metadata)
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        """Sample the step left by ``execute_model``, under the grammar bitmask."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        logits = pending.logits
+        if grammar_output is not None:
+            apply_grammar_bitmask(
+                pending.scheduler_output,
+                grammar_output,
+                self.input_batch,  # type: ignore[arg-type]  # reads .req_ids
+                logits,
+            )
+        scheduled = pending.scheduler_output.num_scheduled_tokens
+        states = self.input_batch.states()
+        # A chunk that stops short of the end of the known tokens is a partial
+        # prefill: its sampled token is not part of the output.
+        partial = [
+            s.num_computed_tokens + scheduled[s.req_id] < s.num_tokens for s in states
+        ]
+        # A seeded request's draw for a discarded token must not advance its
+        # generator (vLLM rewinds it too), so chunking does not change its output.
+        saved = {
+            row: gen.get_state()
+            for row, gen in self.input_batch.generators.items()
+            if partial[row]
+        }
+        out = self.sampler(logits, self.input_batch.metadata)
+        for row, gen_state in saved.items():
+            self.input_batch.generators[row].set_state(gen_state)
         sampled = out.sampled_token_ids[:, 0].tolist()
         tokens: list[list[int]] = []
-        for state, n, token in zip(states, batch.query_lens, sampled, strict=True):
-            # A chunk that stops short of the end of the known tokens is a partial
-            # prefill: its sampled token is not part of the output.
-            if state.num_computed_tokens + int(n) >= state.num_tokens:
+        for state, token, is_partial in zip(states, sampled, partial, strict=True):
+            if not is_partial:
                 state.output_token_ids.append(token)
                 tokens.append([token])
             else:
                 tokens.append([])
         logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors else None
+        req_ids = self.input_batch.req_ids
         return ModelRunnerOutput(
-            req_ids=batch.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            req_ids=req_ids,
+            req_id_to_index=dict(self.input_batch.req_id_to_index),
             sampled_token_ids=tokens,
             logprobs=logprobs,
+            prompt_logprobs_dict=pending.prompt_logprobs,
         )

@@ -1,85 +1,139 @@
-"""Sampling metadata for vLLM's Sampler, built from the step's requests."""
+"""Sampling pieces around vLLM's Sampler: logits processors, prompt logprobs.
+
+The per-row sampling state lives in the persistent batch (``input_batch``);
+this module builds vLLM's logits processors (built-ins and
+``--logits-processors`` classes, through vLLM's ``build_logitsprocs``) and the
+prompt logprobs of requests that ask for them.
+
+Prompt logprobs follow vLLM's GPU runner: one ``LogprobsTensors`` per request
+for the whole prompt (``num_prompt_tokens - 1`` rows, the first token has
+none), filled chunk by chunk from the step's hidden states and returned once,
+with the step that finishes the prompt. vLLM's scheduler never lets a request
+with ``prompt_logprobs`` read the prefix cache (``skip_reading_prefix_cache``),
+so every prompt position is computed by the model.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import torch
-from vllm.sampling_params import SamplingType
-from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.logits_processor import LogitsProcessors, build_logitsprocs
+from vllm.v1.sample.sampler import Sampler
 
-from vllm_hpu_mm.worker.requests import RequestState
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_hpu_mm.worker.requests import RequestState
 
 
-def build_sampling_metadata(
-    states: list[RequestState], vocab_size: int, device: torch.device
-) -> SamplingMetadata:
-    """One row per request, in batch order."""
-    params = [s.sampling_params for s in states]
-    greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-    temperature = [
-        0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)
-    ]
-    top_p = [p.top_p for p in params]
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    logprobs = [
-        vocab_size if p.logprobs == -1 else p.logprobs
-        for p in params
-        if p.logprobs is not None
-    ]
-    no_penalties = all(
-        p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        for p in params
+def build_logits_processors(
+    vllm_config: VllmConfig, device: torch.device
+) -> tuple[LogitsProcessors, bool]:
+    """vLLM's built-in processors (min_p, logit_bias, min_tokens) and the
+    custom classes of ``--logits-processors``; and whether the processors may
+    read output token ids (custom ones might, as vLLM's GPU runner assumes)."""
+    custom = tuple(vllm_config.model_config.logits_processors or ())
+    procs = build_logitsprocs(
+        vllm_config,
+        device,
+        is_pin_memory=False,
+        is_pooling_model=False,
+        custom_logitsprocs=custom,
     )
-
-    def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
-    allowed_mask = None
-    if any(p.allowed_token_ids for p in params):
-        # True = masked out (vLLM's convention).
-        allowed_mask = torch.zeros(len(states), vocab_size, dtype=torch.bool)
-        for i, p in enumerate(params):
-            if p.allowed_token_ids:
-                allowed_mask[i] = True
-                allowed_mask[i, p.allowed_token_ids] = False
-        allowed_mask = allowed_mask.to(device)
-
-    return SamplingMetadata(
-        temperature=f32(temperature),
-        all_greedy=all(greedy),
-        all_random=not any(greedy),
-        top_p=None if all(v == 1.0 for v in top_p) else f32(top_p),
-        top_k=None
-        if all(v == vocab_size for v in top_k)
-        else torch.tensor(top_k, dtype=torch.int32, device=device),
-        generators={i: s.generator for i, s in enumerate(states) if s.generator},
-        max_num_logprobs=max(logprobs) if logprobs else None,
-        no_penalties=no_penalties,
-        prompt_token_ids=None
-        if no_penalties
-        else _prompt_ids(states, vocab_size, device),
-        frequency_penalties=f32([p.frequency_penalty for p in params]),
-        presence_penalties=f32([p.presence_penalty for p in params]),
-        repetition_penalties=f32([p.repetition_penalty for p in params]),
-        output_token_ids=[s.output_token_ids for s in states],
-        allowed_token_ids_mask=allowed_mask,
-        bad_words_token_ids={
-            i: p.bad_words_token_ids
-            for i, p in enumerate(params)
-            if p.bad_words_token_ids
-        },
-        logitsprocs=LogitsProcessors(),
-    )
+    return procs, bool(custom)
 
 
-def _prompt_ids(
-    states: list[RequestState], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """[R, longest prompt] prompt ids padded with vocab_size (the penalty pad)."""
-    width = max(s.num_prompt_tokens for s in states)
-    out = torch.full((len(states), width), vocab_size, dtype=torch.int64)
-    for i, s in enumerate(states):
-        out[i, : s.num_prompt_tokens] = torch.tensor(s.prompt_token_ids)
-    return out.to(device)
+class PromptLogprobs:
+    """Prompt logprobs of the requests that asked for them, across chunks."""
+
+    def __init__(self, vocab_size: int, logprobs_mode: str) -> None:
+        self.vocab_size = vocab_size
+        self.logprobs_mode = logprobs_mode
+        self.pending: dict[str, int] = {}  # req_id -> logprobs per position
+        self._tensors: dict[str, LogprobsTensors] = {}
+
+    def add(self, req_id: str, params: Any) -> None:
+        n = getattr(params, "prompt_logprobs", None)
+        if n is not None:
+            self.pending[req_id] = self.vocab_size if n == -1 else n
+
+    def drop(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+        self._tensors.pop(req_id, None)
+
+    def collect(
+        self,
+        hidden: torch.Tensor,
+        starts: dict[str, int],
+        scheduled: dict[str, int],
+        states: dict[str, RequestState],
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> dict[str, LogprobsTensors | None]:
+        """Fill this step's chunk of each pending request.
+
+        ``hidden``: [padded tokens, H]; ``starts[req_id]``: token row of the
+        request's first scheduled token (its tokens are consecutive rows).
+        Returns the requests whose prompt is complete with this step.
+        """
+        done: dict[str, LogprobsTensors | None] = {}
+        for req_id, k in list(self.pending.items()):
+            if req_id not in scheduled:  # preempted during its prefill
+                continue
+            state = states[req_id]
+            n_prompt = state.num_prompt_tokens
+            tensors = self._tensors.get(req_id)
+            if tensors is None:
+                tensors = LogprobsTensors.empty_cpu(n_prompt - 1, k + 1)
+                self._tensors[req_id] = tensors
+            start = state.num_computed_tokens  # position of the chunk's first token
+            remaining = n_prompt - (start + 1)
+            num = scheduled[req_id]
+            if num > remaining:  # the prompt ends in this chunk
+                num = remaining
+                done[req_id] = tensors
+            if num > 0:
+                self._fill(
+                    tensors,
+                    hidden,
+                    starts[req_id],
+                    start,
+                    num,
+                    k,
+                    state,
+                    compute_logits,
+                )
+        for req_id in done:
+            del self.pending[req_id]
+            del self._tensors[req_id]
+        return done
+
+    def _fill(
+        self,
+        tensors: LogprobsTensors,
+        hidden: torch.Tensor,
+        row: int,
+        start: int,
+        num: int,
+        k: int,
+        state: RequestState,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        logits = compute_logits(hidden[row : row + num])  # [num, V]
+        # position p predicts prompt token p + 1
+        targets = torch.tensor(
+            state.prompt_token_ids[start + 1 : start + 1 + num],
+            dtype=torch.int64,
+            device=logits.device,
+        )
+        if self.logprobs_mode in ("raw_logits", "processed_logits"):
+            scores = logits.to(torch.float32)
+        else:
+            scores = Sampler.compute_logprobs(logits)
+        ids, lps, ranks, *_ = Sampler.gather_logprobs(scores, k, targets)
+        chunk = slice(start, start + num)
+        tensors.logprob_token_ids[chunk].copy_(ids)
+        tensors.logprobs[chunk].copy_(lps)
+        tensors.selected_token_ranks[chunk].copy_(ranks)

@@ -158,13 +158,13 @@ class HpuMMWorker(WorkerBase):
         return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
 
     # ---- serving -------------------------------------------------------------------
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
+        """Run the model; None (the usual case) means vLLM calls
+        ``sample_tokens`` next, with the step's grammar bitmask."""
         return self._runner().execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
-        raise RuntimeError(
-            "sample_tokens() is not used: vllm-hpu-mm samples inside execute_model"
-        )
+        return self._runner().sample_tokens(grammar_output)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)

@@ -67,8 +67,10 @@ def encoder_input(value: Any, dtype: torch.dtype) -> Any:
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype of the model's floating parameters (its compute dtype)."""
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    """The dtype of the model's floating parameters (its compute dtype); the
+    default dtype for a model without any."""
+    floating = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return next(floating, torch.get_default_dtype())
 
 
 def next_pow2(n: int) -> int:

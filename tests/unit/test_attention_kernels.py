@@ -13,10 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
-
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

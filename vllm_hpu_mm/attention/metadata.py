@@ -254,14 +254,14 @@ def prefill_tiles(
                 ).ravel()
                 key_req[t, span] = r
                 col += n
-    query_pos = query_pos.reshape(num_tiles, tq)
-    query_req = query_req.reshape(num_tiles, tq)
-    mask[:] = (query_req[:, :, None] == key_req[:, None, :]) & (
-        key_pos[:, None, :] <= query_pos[:, :, None]
+    q_pos = query_pos.reshape(num_tiles, tq)
+    q_req = query_req.reshape(num_tiles, tq)
+    mask[:] = (q_req[:, :, None] == key_req[:, None, :]) & (
+        key_pos[:, None, :] <= q_pos[:, :, None]
     )
     if keys_per_tile:
-        mask[:, :, 0] |= query_req < 0  # a padding row reads key 0 (never NaN)
-    return PrefillTiles(blocks, mask, query_pos, key_pos)
+        mask[:, :, 0] |= q_req < 0  # a padding row reads key 0 (never NaN)
+    return PrefillTiles(blocks, mask, q_pos, key_pos)
 
 
 # --------------------------------------------------------------------------

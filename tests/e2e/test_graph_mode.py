@@ -72,10 +72,9 @@ def test_warmup_compiled_every_step_shape(llm: object) -> None:
     # prefill tokens {16, 64} x tile blocks {4, 16, 32}.
     assert decode == [(1, 4), (1, 16), (4, 4), (4, 16)]
     assert prefill == [(t, b) for t in (16, 64) for b in (4, 16, 32)]
-    # Regional compilation: per step shape one graph for the first decoder
-    # layer (no residual yet) and one shared by every later layer, plus one
-    # logits graph per batch size.
-    expected = 2 * (len(decode) + len(prefill)) + len(buckets.batch)
+    # Regional compilation: per step shape one graph shared by every decoder
+    # layer, plus one logits graph per batch size.
+    expected = len(decode) + len(prefill) + len(buckets.batch)
     assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) == expected
 
 

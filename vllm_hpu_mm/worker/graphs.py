@@ -25,6 +25,7 @@ shows up there.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -78,15 +79,29 @@ class LayerRegion:
     def _bind(self, layer: torch.nn.Module) -> Callable[..., Any]:
         original = layer.forward
         subs = self.named[id(layer)]
+        signature = inspect.signature(original)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             table = _step_layer_table()
             if table is not None:
                 for k, sub in enumerate(subs):
                     table[f"{ALIAS}{k}"] = sub
-            return self.compiled(original, *args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            _zero_first_residual(bound.arguments)
+            return self.compiled(original, *bound.args, **bound.kwargs)
 
         return forward
+
+
+def _zero_first_residual(arguments: dict[str, Any]) -> None:
+    """The first layer gets ``residual=None`` where later ones get a tensor,
+    which would make it a graph of its own. A zero residual gives the same
+    values (the fused add-norm adds 0 exactly, and the new residual is the
+    hidden state itself), so every layer shares one graph."""
+    if "residual" in arguments and arguments["residual"] is None:
+        hidden = arguments.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            arguments["residual"] = torch.zeros_like(hidden)
 
 
 ALIAS = "hpu_mm.region."

@@ -51,6 +51,7 @@ PAD_QUERY_POS = -(2**40)
 MASKED_SCORE = -1e30
 
 
+@torch.library.custom_op("hpu_mm::write_kv", mutates_args=("kv_cache",))
 def write_kv(
     kv_cache: torch.Tensor,
     key: torch.Tensor,
@@ -61,12 +62,26 @@ def write_kv(
 
     kv_cache: [2, NB, BS, Hkv, D]; key, value: [T, Hkv, D];
     slot_mapping: [T] int64, padding rows point into the null block 0.
+
+    A custom op that mutates the cache in place, so that a compiled graph
+    writes the step's slots instead of copying the whole cache (a traced
+    in-place write to a graph input is functionalised into a copy of it).
     """
     _, num_blocks, block_size, num_kv_heads, head = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head)
     n = slot_mapping.shape[0]
     flat[0].index_copy_(0, slot_mapping, key[:n].to(flat.dtype))
     flat[1].index_copy_(0, slot_mapping, value[:n].to(flat.dtype))
+
+
+@write_kv.register_fake
+def _(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    return None
 
 
 def _gather_blocks(

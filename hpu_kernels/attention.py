@@ -5,31 +5,53 @@ KV cache of one layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head]
 ``[2, num_blocks * block_size, num_kv_heads, head]``. Block 0 is vLLM's null block:
 no request ever owns it, so padding writes its slots and padding reads mask it.
 
-Two layouts, each with shapes fixed by the caller's bucket:
+Each kernel costs what the step's tokens need, not the square of the step:
 
-- ``prefill_attention`` (flat): the tokens of all prefill requests of a step are
-  concatenated (``T`` rows) and attend to the concatenation of those requests'
-  context blocks (``NB`` blocks, ``K = NB * block_size`` key rows). A boolean mask
-  keeps each token to its own request, to causal order and to the sliding
-  window. Covers chunked prefill with prior context and prefix-cache hits: the
-  context is whatever the blocks hold.
-- ``decode_attention`` (batched): one query per request, ``B`` rows, keys
-  gathered through a ``[B, M]`` block table.
+- ``prefill_attention`` (block-diagonal tiles): the step's prefill tokens stay
+  flat (``T`` rows) and are cut into ``NT`` tiles of ``tq`` rows. A tile attends
+  only to the context blocks of the requests its rows belong to, up to its last
+  row's position (``[NT, CB]`` block ids), through a ``[NT, tq, CB * BS]``
+  boolean mask built once per step (request, causality; the sliding window is
+  added per layer from the positions). Cost ``T x CB x BS`` where ``CB`` is the
+  context of a tile's own requests, instead of ``T x`` the whole step's context.
+  Chunked prefill with prior context and prefix-cache hits are covered: the
+  context is whatever the blocks hold. The form is batched SDPA (FusedSDPA
+  on HPU takes it).
+- ``decode_attention`` (flat paged attention, after the Gaudi plugin's
+  ``flat_pa``): the real blocks of every decode request form one flat list
+  (``NB`` blocks, bucketed on the total); each block yields softmax partials
+  (max, sum, weighted values) for its request's query, and a per-request
+  reduction combines them. Cost ``NB x BS``: a short request no longer pays for
+  the longest one.
+- ``batched_decode_attention``: the previous ``[B, M]`` block-table form, kept
+  as a reference and for measurement.
 
-GQA is handled by SDPA's ``enable_gqa`` (no K/V repeat).
+GQA is handled by SDPA's ``enable_gqa`` and by grouping heads (no K/V repeat).
+The SDPA callable is a parameter (default torch's) so a device can plug in its
+fused kernel (FusedSDPA on Gaudi) through ``vllm_hpu_mm.device``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-# Sentinels: a padding token belongs to request -1 and a padding block to -2, so
-# that padding never matches padding.
-PAD_TOKEN_REQ = -1
-PAD_BLOCK_REQ = -2
+SdpaFn = Callable[..., torch.Tensor]
+"""``(query [N, H, Q, D], key [N, Hkv, K, D], value, attn_mask=, scale=,
+enable_gqa=) -> [N, H, Q, D]``, the signature of F.scaled_dot_product_attention."""
+
+# Position given to padding query rows: every key passes their window test, so
+# the key the mask keeps for them (key 0) survives any sliding window.
+PAD_QUERY_POS = -(2**40)
+
+# Additive score of a masked key in flat decode: finite, so that a block with no
+# visible key still has a finite max (its weight in the reduction is then 0).
+MASKED_SCORE = -1e30
 
 
+@torch.library.custom_op("hpu_mm::write_kv", mutates_args=("kv_cache",))
 def write_kv(
     kv_cache: torch.Tensor,
     key: torch.Tensor,
@@ -40,6 +62,10 @@ def write_kv(
 
     kv_cache: [2, NB, BS, Hkv, D]; key, value: [T, Hkv, D];
     slot_mapping: [T] int64, padding rows point into the null block 0.
+
+    A custom op that mutates the cache in place, so that a compiled graph
+    writes the step's slots instead of copying the whole cache (a traced
+    in-place write to a graph input is functionalised into a copy of it).
     """
     _, num_blocks, block_size, num_kv_heads, head = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head)
@@ -48,120 +74,167 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, value[:n].to(flat.dtype))
 
 
-def _sdpa(
-    query: torch.Tensor,  # [B, H, Q, D]
-    key: torch.Tensor,  # [B, Hkv, K, D]
-    value: torch.Tensor,  # [B, Hkv, K, D]
-    mask: torch.Tensor,  # [B, 1, Q, K] bool, True = attend
-    scale: float,
-) -> torch.Tensor:
-    gqa = query.shape[1] != key.shape[1]
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
-    )
+@write_kv.register_fake
+def _(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    return None
 
 
-def _window_ok(
-    key_pos: torch.Tensor, query_pos: torch.Tensor, sliding_window: int | None
-) -> torch.Tensor | bool:
-    """True where the key lies inside the query's sliding window (broadcasts)."""
-    if sliding_window is None:
-        return True
-    return key_pos > query_pos - sliding_window
+def _gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_ids [N, C] -> keys, values [N, Hkv, C * BS, D]."""
+    n, c = block_ids.shape
+    _, _, block_size, num_kv_heads, head = kv_cache.shape
+    flat_ids = block_ids.reshape(-1)
+
+    def one(i: int) -> torch.Tensor:
+        return (
+            kv_cache[i]
+            .index_select(0, flat_ids)
+            .view(n, c * block_size, num_kv_heads, head)
+            .transpose(1, 2)
+        )
+
+    return one(0), one(1)
 
 
 def prefill_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    token_req: torch.Tensor,
-    token_pos: torch.Tensor,
-    ctx_blocks: torch.Tensor,
-    ctx_block_req: torch.Tensor,
-    ctx_block_pos: torch.Tensor,
+    tile_blocks: torch.Tensor,
+    tile_mask: torch.Tensor,
+    tile_query_pos: torch.Tensor,
+    tile_key_pos: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sdpa: SdpaFn = F.scaled_dot_product_attention,
 ) -> torch.Tensor:
-    """Causal attention for a flat batch of prefill tokens over paged context.
+    """Causal attention of flat prefill tokens, tile by tile, over paged context.
 
-    query: [T, H, D]; token_req: [T] request index of each token (-1 padding);
-    token_pos: [T] absolute position of each token in its request;
-    ctx_blocks: [NB] cache block ids of the batch's context (0 for padding);
-    ctx_block_req: [NB] request index owning each block (-2 padding);
-    ctx_block_pos: [NB] position held by the block's first slot.
+    query: [T, H, D], T <= NT * tq (rows past T are padding added here);
+    tile_blocks: [NT, CB] cache blocks each tile reads (0 for padding);
+    tile_mask: [NT, tq, CB * BS] bool, True where a row may attend a key (same
+    request, key position <= query position); each padding row keeps key 0;
+    tile_query_pos: [NT, tq] position of each row (PAD_QUERY_POS on padding);
+    tile_key_pos: [NT, CB * BS] position of each key in its request.
     The current tokens' own K/V must already be written (``write_kv``).
     Returns [T, H, D].
     """
-    num_tokens = query.shape[0]
-    block_size = kv_cache.shape[2]
-    num_keys = ctx_blocks.shape[0] * block_size
-    # [NB, BS, Hkv, D] -> [Hkv, K, D]
-    keys = kv_cache[0].index_select(0, ctx_blocks).flatten(0, 1).transpose(0, 1)
-    values = kv_cache[1].index_select(0, ctx_blocks).flatten(0, 1).transpose(0, 1)
-    offsets = torch.arange(block_size, device=query.device)
-    key_req = ctx_block_req.repeat_interleave(block_size)  # [K]
-    key_pos = (ctx_block_pos[:, None] + offsets[None, :]).flatten()  # [K]
-
-    q_pos = token_pos[:, None]  # [T, 1]
-    mask = (
-        (token_req[:, None] == key_req[None, :])
-        & (key_pos[None, :] <= q_pos)
-        & _window_ok(key_pos[None, :], q_pos, sliding_window)
-    )  # [T, K]
-    # A padding token would see no key at all (softmax of nothing is NaN): let
-    # it read key 0; its output is dropped.
-    first_key = torch.arange(num_keys, device=query.device) == 0
-    mask = mask | ((token_req < 0)[:, None] & first_key[None, :])
-
-    out = _sdpa(
-        query.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
-        keys.unsqueeze(0).to(query.dtype),
-        values.unsqueeze(0).to(query.dtype),
-        mask.view(1, 1, num_tokens, num_keys),
-        scale,
+    num_tokens, num_heads, head = query.shape
+    num_tiles, tile = tile_mask.shape[:2]
+    pad = num_tiles * tile - num_tokens
+    q = F.pad(query, (0, 0, 0, 0, 0, pad)) if pad else query
+    q = q.view(num_tiles, tile, num_heads, head).transpose(1, 2)  # [NT, H, tq, D]
+    keys, values = _gather_blocks(kv_cache, tile_blocks)  # [NT, Hkv, K, D]
+    mask = tile_mask
+    if sliding_window is not None:
+        inside = tile_key_pos[:, None, :] > tile_query_pos[:, :, None] - sliding_window
+        mask = mask & inside
+    out = sdpa(
+        q,
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        attn_mask=mask.unsqueeze(1),  # [NT, 1, tq, K]
+        scale=scale,
+        enable_gqa=num_heads != keys.shape[1],
     )
-    return out.squeeze(0).transpose(0, 1)  # [T, H, D]
+    return out.transpose(1, 2).reshape(num_tiles * tile, num_heads, head)[:num_tokens]
 
 
 def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_req: torch.Tensor,
+    block_bias: torch.Tensor,
+    block_key_pos: torch.Tensor,
+    block_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Flat paged attention: one query per request over a flat list of blocks.
+
+    query: [B, H, D]; block_list: [NB] block ids of every decode request, request
+    after request (0 for padding); block_req: [NB] decode row owning each block
+    (padding blocks name any row: their bias masks every key and the mapping
+    drops them);
+    block_bias: [NB, BS] float32, 0 on visible keys, MASKED_SCORE elsewhere
+    (past the request's length, padding blocks);
+    block_key_pos: [NB, BS] position of each key in its request;
+    block_mapping: [B, NB] one-hot (1 where block n belongs to row b; padding
+    blocks belong to none);
+    seq_lens: [B] context length including the current token (0 on padding
+    rows). Returns [B, H, D] (0 on rows that own no block).
+    """
+    batch, num_heads, head = query.shape
+    num_blocks = block_list.shape[0]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    keys = kv_cache[0].index_select(0, block_list).to(query.dtype)  # [NB, BS, Hkv, D]
+    values = kv_cache[1].index_select(0, block_list).to(query.dtype)
+    q = query.index_select(0, block_req).view(num_blocks, num_kv_heads, group, head)
+    # [NB, Hkv, G, D] @ [NB, Hkv, D, BS] -> [NB, Hkv, G, BS]
+    scores = (q @ keys.permute(0, 2, 3, 1)).float() * scale
+    bias = block_bias
+    if sliding_window is not None:
+        first = (seq_lens.index_select(0, block_req) - sliding_window)[:, None]
+        bias = torch.where(block_key_pos >= first, bias, MASKED_SCORE)
+    scores = scores + bias[:, None, None, :]
+    block_max = scores.amax(-1)  # [NB, Hkv, G]
+    probs = torch.exp(scores - block_max[..., None])
+    block_sum = probs.sum(-1)
+    # [NB, Hkv, G, BS] @ [NB, Hkv, BS, D] -> [NB, Hkv, G, D]
+    block_out = probs.to(values.dtype) @ values.transpose(1, 2)
+    # Per-request reduction of the block partials: the max by scatter, the sums
+    # by one matmul with the [B, NB] block mapping (no scatter-add).
+    index = block_req[:, None, None].expand_as(block_max)
+    req_max = block_max.new_full((batch, num_kv_heads, group), MASKED_SCORE)
+    req_max = req_max.scatter_reduce(0, index, block_max, "amax")
+    weight = torch.exp(block_max - req_max.index_select(0, block_req))  # [NB, Hkv, G]
+    mapping = block_mapping.to(torch.float32)  # [B, NB]
+    req_sum = (mapping @ (block_sum * weight).view(num_blocks, -1)).view(
+        batch, num_kv_heads, group, 1
+    )
+    weighted = (block_out.float() * weight[..., None]).view(num_blocks, -1)
+    req_out = (mapping @ weighted).view(batch, num_kv_heads, group, head)
+    out = req_out / req_sum.clamp_min(1e-30)
+    return out.view(batch, num_heads, head).to(query.dtype)
+
+
+def batched_decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sdpa: SdpaFn = F.scaled_dot_product_attention,
 ) -> torch.Tensor:
-    """One query token per request against its paged context.
-
-    query: [B, H, D]; block_table: [B, M] block ids (0 past the end);
-    seq_lens: [B] tokens in context including the current one (0 for padding
-    rows). Returns [B, H, D].
-    """
+    """One query per request through a ``[B, M]`` block table (every request
+    padded to M blocks). query: [B, H, D]; block_table: [B, M] (0 past the end);
+    seq_lens: [B] (0 on padding rows). Returns [B, H, D]."""
     batch, max_blocks = block_table.shape
-    _, _, block_size, num_kv_heads, head = kv_cache.shape
+    block_size = kv_cache.shape[2]
     num_keys = max_blocks * block_size
-    flat_ids = block_table.reshape(-1)
-    # [B*M, BS, Hkv, D] -> [B, Hkv, K, D]
-    keys = (
-        kv_cache[0]
-        .index_select(0, flat_ids)
-        .view(batch, num_keys, num_kv_heads, head)
-        .transpose(1, 2)
-    )
-    values = (
-        kv_cache[1]
-        .index_select(0, flat_ids)
-        .view(batch, num_keys, num_kv_heads, head)
-        .transpose(1, 2)
-    )
+    keys, values = _gather_blocks(kv_cache, block_table)  # [B, Hkv, K, D]
     key_pos = torch.arange(num_keys, device=query.device)[None, :]  # [1, K]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
-    mask = (key_pos <= q_pos) & _window_ok(key_pos, q_pos, sliding_window)
+    mask = key_pos <= q_pos
+    if sliding_window is not None:
+        mask = mask & (key_pos > q_pos - sliding_window)
     mask = mask | ((seq_lens <= 0)[:, None] & (key_pos == 0))  # padding rows
-    out = _sdpa(
+    out = sdpa(
         query.unsqueeze(2),  # [B, H, 1, D]
         keys.to(query.dtype),
         values.to(query.dtype),
-        mask.view(batch, 1, 1, num_keys),
-        scale,
+        attn_mask=mask.view(batch, 1, 1, num_keys),
+        scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
     )
     return out.squeeze(2)  # [B, H, D]

@@ -85,7 +85,9 @@ class _HpuMMPlatformBase(Platform):
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        return True
+        # Attention is traced into the compiled graph (as on Gaudi), so the graph
+        # key is the whole step shape and the compile counter sees every shape.
+        return False
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:

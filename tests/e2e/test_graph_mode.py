@@ -1,8 +1,10 @@
-"""Graph mode on the CPU: warmup prepares every bucket, serving compiles nothing.
+"""Graph mode on the CPU: warmup prepares every step shape, serving compiles nothing.
 
-One engine in torch.compile mode with a small explicit bucket set. The compile
-count is read from the worker's real Prometheus counter (incremented inside
-the compiler backend), through prometheus_client's multiprocess files.
+One engine in torch.compile mode with a small explicit bucket set. Attention is
+traced into the compiled layers, so the graph key is the whole step shape
+(decode rows and blocks, prefill tokens and blocks). The compile count is read
+from the worker's real Prometheus counter (incremented inside the compiler
+backend), through prometheus_client's multiprocess files.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _counter(name: str, labels: dict[str, str] | None = None) -> float:
 def buckets_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
     path.write_text(
-        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8, 16, 32]\n"
+        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n"
     )
     return str(path)
 
@@ -58,9 +60,22 @@ def llm(tiny_llama_dir: str, buckets_file: str) -> Iterator[object]:
     del engine
 
 
-def test_warmup_compiled_every_bucket(llm: object) -> None:
-    # tokens axis {1, 4, 16, 64} + batch axis {1, 4}: one graph each.
-    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) == 6
+def test_warmup_compiled_every_step_shape(llm: object) -> None:
+    from vllm_hpu_mm.bucketing.buckets import Limits, explicit, step_shapes
+
+    limits = Limits(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16
+    )
+    buckets = explicit(limits, [16, 64], [1, 4], [4, 16, 32])
+    decode, prefill = step_shapes(buckets, limits, "batched")  # the CPU's form
+    # decode rows {1, 4} x table width {4, 16} (16 blocks hold 256 tokens);
+    # prefill tokens {16, 64} x tile blocks {4, 16, 32}.
+    assert decode == [(1, 4), (1, 16), (4, 4), (4, 16)]
+    assert prefill == [(t, b) for t in (16, 64) for b in (4, 16, 32)]
+    # Regional compilation: per step shape one graph shared by every decoder
+    # layer, plus one logits graph per batch size.
+    expected = len(decode) + len(prefill) + len(buckets.batch)
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) == expected
 
 
 def test_mixed_workload_adds_no_compilation_and_matches_hf(
@@ -87,6 +102,36 @@ def test_mixed_workload_adds_no_compilation_and_matches_hf(
     scheduled = _counter("vllm_hpu_mm:scheduled_tokens_total") - before_tokens
     assert scheduled >= sum(map(len, prompts)) + len(prompts) * (MAX_NEW - 1)
     assert _counter("vllm_hpu_mm:padded_tokens_total") > 0
+
+
+def test_held_out_mix_of_growing_decodes_chunks_and_prefix_hits(
+    llm: object, tiny_llama_dir: str
+) -> None:
+    """Requests arriving while others decode (mixed steps), decodes whose
+    contexts cross block buckets (prompts near 64 growing past them), prompts
+    chunked at the 64-token budget, and a shared prefix (cache hits with prior
+    context): every step lands on a warmed shape."""
+    from vllm import SamplingParams
+
+    rng = random.Random(23)
+    shared = [rng.randrange(5, 500) for _ in range(48)]
+    prompts = [
+        [rng.randrange(5, 500) for _ in range(60)],
+        shared + [rng.randrange(5, 500) for _ in range(30)],
+        [rng.randrange(5, 500) for _ in range(2)],
+        shared + [rng.randrange(5, 500) for _ in range(7)],
+        [rng.randrange(5, 500) for _ in range(150)],
+        [rng.randrange(5, 500) for _ in range(11)],
+    ]
+    max_new = 40
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    outs = llm.generate(  # type: ignore[attr-defined]
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == hf_greedy(tiny_llama_dir, prompts, max_new)
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
+    assert _counter("vllm_hpu_mm:fallback_buckets_total") == 0
 
 
 def test_prefix_cache_hit_reuses_blocks_without_compiling(

@@ -3,7 +3,8 @@
 The reference never reads the paged cache: each request owns its keys and values
 as plain ``[seq_len, Hkv, D]`` tensors (position order), and attention is a
 Python loop over queries in float64 with GQA done by repeating the kv heads.
-The kernels, in turn, only see the paged cache, so a wrong slot, block, mask or
+The kernels, in turn, only see the paged cache (through the inputs the
+metadata module builds once per step), so a wrong slot, block, tile, mask or
 head mapping shows up as a numerical mismatch.
 """
 
@@ -12,15 +13,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hpu_kernels.attention import (
-    PAD_BLOCK_REQ,
-    PAD_TOKEN_REQ,
+    batched_decode_attention,
     decode_attention,
     prefill_attention,
     write_kv,
+)
+from vllm_hpu_mm.attention.metadata import (
+    batched_decode_table,
+    flat_decode,
+    prefill_context_blocks,
+    prefill_tiles,
 )
 
 HEAD = 8
@@ -145,33 +154,48 @@ def write_step(cache: torch.Tensor, reqs: list[Req], pad_rows: int = 0) -> None:
     )
 
 
-def prefill_inputs(
-    reqs: list[Req], block_size: int, pad_tokens: int = 0, pad_blocks: int = 0
-) -> dict[str, torch.Tensor]:
-    """The flat prefill layout, built by hand, with trailing padding."""
-    tok_req, tok_pos, blocks, blk_req, blk_pos = [], [], [], [], []
+def block_table_of(reqs: list[Req]) -> np.ndarray:
+    width = max(len(r.block_ids) for r in reqs)
+    table = np.zeros((len(reqs), width), np.int64)
     for i, r in enumerate(reqs):
-        tok_req += [i] * r.query_len
-        tok_pos += r.positions
-        n = math.ceil(r.seq_len / block_size)
-        blocks += r.block_ids[:n]
-        blk_req += [i] * n
-        blk_pos += [b * block_size for b in range(n)]
-    tok_req += [PAD_TOKEN_REQ] * pad_tokens
-    tok_pos += [0] * pad_tokens
-    blocks += [0] * pad_blocks
-    blk_req += [PAD_BLOCK_REQ] * pad_blocks
-    blk_pos += [0] * pad_blocks
+        table[i, : len(r.block_ids)] = r.block_ids
+    return table
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64)
 
+def prefill_inputs(
+    reqs: list[Req],
+    block_size: int,
+    pad_tokens: int = 0,
+    pad_blocks: int = 0,
+    tile: int = 128,
+) -> dict[str, torch.Tensor]:
+    """The prefill tiles of ``reqs``, padded by tokens and blocks per tile."""
+    q = np.array([r.query_len for r in reqs], np.int64)
+    seq = np.array([r.seq_len for r in reqs], np.int64)
+    n_tok = int(q.sum()) + pad_tokens
+    n_blk = prefill_context_blocks(q, seq, block_size, tile) + pad_blocks
+    tiles = prefill_tiles(q, seq, block_table_of(reqs), block_size, n_tok, n_blk, tile)
     return {
-        "token_req": t(tok_req),
-        "token_pos": t(tok_pos),
-        "ctx_blocks": t(blocks),
-        "ctx_block_req": t(blk_req),
-        "ctx_block_pos": t(blk_pos),
+        "tile_blocks": torch.from_numpy(tiles.blocks),
+        "tile_mask": torch.from_numpy(tiles.mask),
+        "tile_query_pos": torch.from_numpy(tiles.query_pos),
+        "tile_key_pos": torch.from_numpy(tiles.key_pos),
+    }
+
+
+def flat_inputs(
+    reqs: list[Req], block_size: int, pad_rows: int = 0, pad_blocks: int = 0
+) -> dict[str, torch.Tensor]:
+    seq = np.array([r.seq_len for r in reqs], np.int64)
+    n_blk = int((-(-seq // block_size)).sum()) + pad_blocks
+    f = flat_decode(seq, block_table_of(reqs), block_size, len(reqs) + pad_rows, n_blk)
+    return {
+        "block_list": torch.from_numpy(f.block_list),
+        "block_req": torch.from_numpy(f.block_req),
+        "block_bias": torch.from_numpy(f.block_bias),
+        "block_key_pos": torch.from_numpy(f.block_key_pos),
+        "block_mapping": torch.from_numpy(f.block_mapping),
+        "seq_lens": torch.tensor([*seq.tolist(), *[0] * pad_rows]),
     }
 
 
@@ -249,15 +273,16 @@ def test_write_kv_then_cache_holds_each_requests_sequence() -> None:
 
 
 # ----------------------------------------------------------------------------
-# prefill_attention
+# prefill_attention (tiles)
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tile", [128, 8, 5])
 @pytest.mark.parametrize("window", [None, 5, 11])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefill_matches_reference(
-    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None, tile: int
 ) -> None:
     cache, reqs = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
     write_step(cache, reqs)
@@ -266,7 +291,7 @@ def test_prefill_matches_reference(
     out = prefill_attention(
         query,
         cache,
-        **prefill_inputs(reqs, block_size),
+        **prefill_inputs(reqs, block_size, tile=tile),
         scale=scale,
         sliding_window=window,
     )
@@ -276,40 +301,38 @@ def test_prefill_matches_reference(
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("tile", [128, 4])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefill_padding_changes_nothing(
-    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None, tile: int
 ) -> None:
     scale = 0.3
-    # Unpadded run.
     cache, reqs = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
     write_step(cache, reqs)
     query = torch.cat([r.queries for r in reqs])
     plain = prefill_attention(
         query,
         cache,
-        **prefill_inputs(reqs, block_size),
+        **prefill_inputs(reqs, block_size, tile=tile),
         scale=scale,
         sliding_window=window,
     )
-
-    # Same step padded with 5 tokens and 3 blocks; padding K/V (huge values)
-    # land in the null block, which the padding blocks point at.
+    # Same step padded with 7 tokens and 3 blocks per tile; padding K/V (huge
+    # values) land in the null block, which the padding blocks point at.
     cache_p, reqs_p = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
-    n_pad = 5
+    n_pad = 7
     write_step(cache_p, reqs_p, pad_rows=n_pad)
     pad_q = torch.randn(n_pad, num_heads, HEAD, generator=torch.Generator())
     query_p = torch.cat([query, pad_q])
     padded = prefill_attention(
         query_p,
         cache_p,
-        **prefill_inputs(reqs_p, block_size, pad_tokens=n_pad, pad_blocks=3),
+        **prefill_inputs(reqs_p, block_size, n_pad, pad_blocks=3, tile=tile),
         scale=scale,
         sliding_window=window,
     )
-
     n_real = query.shape[0]
     assert padded.shape == query_p.shape
     torch.testing.assert_close(padded[:n_real], plain, atol=1e-6, rtol=1e-6)
@@ -338,27 +361,60 @@ def test_prefill_tokens_never_see_other_requests() -> None:
     assert not torch.allclose(out1[n0:], out2[n0:])
 
 
+def test_prefill_tiles_read_only_their_own_requests_context() -> None:
+    """Cost follows each request: with 4-row tiles, four 8-token prompts need 2
+    blocks per tile, not the 8 blocks of the whole step's context."""
+    bs = 4
+    q = np.full(4, 8, np.int64)
+    assert prefill_context_blocks(q, q, bs, tile=4) == 2  # a tile: blocks 0..1
+    assert prefill_context_blocks(q, q, bs, tile=4) < int((q // bs).sum())
+    # One tile over the whole step reads every request's blocks.
+    assert prefill_context_blocks(q, q, bs, tile=32) == 8
+
+
 def test_prefill_only_padding_tokens_is_finite() -> None:
     """A chunk whose rows are all padding still yields finite output."""
     bs = 4
     cache, _ = make_scenario([(0, 3)], bs, 4, 2)
     query = torch.randn(6, 4, HEAD)
+    empty = np.zeros(0, np.int64)
+    tiles = prefill_tiles(empty, empty, np.zeros((0, 1), np.int64), bs, 6, 2)
     out = prefill_attention(
         query,
         cache,
-        token_req=torch.full((6,), PAD_TOKEN_REQ),
-        token_pos=torch.zeros(6, dtype=torch.int64),
-        ctx_blocks=torch.zeros(2, dtype=torch.int64),
-        ctx_block_req=torch.full((2,), PAD_BLOCK_REQ),
-        ctx_block_pos=torch.zeros(2, dtype=torch.int64),
+        torch.from_numpy(tiles.blocks),
+        torch.from_numpy(tiles.mask),
+        torch.from_numpy(tiles.query_pos),
+        torch.from_numpy(tiles.key_pos),
         scale=0.5,
+        sliding_window=3,
     )
     assert out.shape == query.shape
     assert torch.isfinite(out).all()
 
 
+def test_prefill_takes_the_sdpa_callable() -> None:
+    """The SDPA kernel is a parameter (a device's fused kernel plugs in)."""
+    calls = []
+
+    def sdpa(q, k, v, *, attn_mask, scale, enable_gqa):  # type: ignore[no-untyped-def]
+        calls.append((tuple(q.shape), tuple(attn_mask.shape), enable_gqa))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa
+        )
+
+    cache, reqs = make_scenario([(0, 6), (5, 3)], 4, 4, 2)
+    write_step(cache, reqs)
+    query = torch.cat([r.queries for r in reqs])
+    prefill_attention(
+        query, cache, **prefill_inputs(reqs, 4, tile=4), scale=0.5, sdpa=sdpa
+    )
+    # 9 rows in 3 tiles of 4; the middle tile reads 2 + 2 blocks (16 keys).
+    assert calls == [((3, 4, 4, HEAD), (3, 1, 4, 16), True)]
+
+
 # ----------------------------------------------------------------------------
-# decode_attention
+# decode: flat and batched
 # ----------------------------------------------------------------------------
 
 # Context lengths (including the current token): one token, mid-block, block
@@ -369,80 +425,116 @@ DECODE_SEQ_LENS = [1, 6, 16, 17, 33, 40]
 def decode_inputs(
     reqs: list[Req], block_size: int, width: int, pad_rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    table = torch.zeros(len(reqs) + pad_rows, width, dtype=torch.int64)
-    for i, r in enumerate(reqs):
-        n = math.ceil(r.seq_len / block_size)
-        table[i, :n] = torch.tensor(r.block_ids[:n])
-    seq = [r.seq_len for r in reqs] + [0] * pad_rows
-    return table, torch.tensor(seq, dtype=torch.int64)
+    seq = np.array([r.seq_len for r in reqs], np.int64)
+    table = batched_decode_table(
+        seq, block_table_of(reqs), block_size, len(reqs) + pad_rows, width
+    )
+    return torch.from_numpy(table), torch.tensor([*seq.tolist(), *[0] * pad_rows])
+
+
+def _decode_scenario(
+    block_size: int, num_heads: int, num_kv_heads: int, n_pad: int, seed: int = 5
+) -> tuple[torch.Tensor, list[Req], torch.Tensor]:
+    specs = [(s - 1, 1) for s in DECODE_SEQ_LENS]
+    cache, reqs = make_scenario(specs, block_size, num_heads, num_kv_heads, seed=seed)
+    write_step(cache, reqs, pad_rows=n_pad)
+    query = torch.cat(
+        [r.queries for r in reqs]
+        + [torch.randn(n_pad, num_heads, HEAD, generator=torch.Generator())]
+    )
+    return cache, reqs, query
 
 
 @pytest.mark.parametrize("window", [None, 5, 11])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_matches_reference(
+def test_flat_decode_matches_reference(
     block_size: int, num_heads: int, num_kv_heads: int, window: int | None
 ) -> None:
-    specs = [(s - 1, 1) for s in DECODE_SEQ_LENS]
-    cache, reqs = make_scenario(specs, block_size, num_heads, num_kv_heads, seed=5)
     n_pad = 3
-    write_step(cache, reqs, pad_rows=n_pad)
+    cache, reqs, query = _decode_scenario(block_size, num_heads, num_kv_heads, n_pad)
+    scale = 1 / math.sqrt(HEAD)
+    inputs = flat_inputs(reqs, block_size, pad_rows=n_pad, pad_blocks=5)
+    out = decode_attention(query, cache, **inputs, scale=scale, sliding_window=window)
+    n_real = len(reqs)
+    assert out.shape == query.shape
+    expected = reference_for(reqs, scale, window)
+    torch.testing.assert_close(out[:n_real].double(), expected, atol=ATOL, rtol=RTOL)
+    assert torch.isfinite(out).all()
+    # Without padding rows or blocks: the same real rows.
+    tight = flat_inputs(reqs, block_size)
+    out2 = decode_attention(
+        query[:n_real], cache, **tight, scale=scale, sliding_window=window
+    )
+    torch.testing.assert_close(out2, out[:n_real], atol=1e-6, rtol=1e-6)
+
+
+def test_flat_decode_list_holds_only_real_blocks() -> None:
+    """The flat list's length is the sum of each request's blocks, not
+    batch x the longest request's blocks."""
+    seq = np.array([1, 6, 16, 17, 33, 40], np.int64)
+    table = np.arange(1, 6 * 10 + 1, dtype=np.int64).reshape(6, 10)
+    f = flat_decode(seq, table, 4, 8, 40)
+    real = int((-(-seq // 4)).sum())
+    assert real == 1 + 2 + 4 + 5 + 9 + 10 < 6 * 10
+    assert f.block_mapping[:, :real].sum(0).tolist() == [1.0] * real
+    assert f.block_mapping[:, real:].sum() == 0  # padding blocks belong to none
+    assert (f.block_bias[real:] < -1e29).all()
+    assert f.block_list[:real].tolist() == [
+        int(table[r, i]) for r, n in enumerate(-(-seq // 4)) for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("window", [None, 5, 11])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batched_decode_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    n_pad = 3
+    cache, reqs, query = _decode_scenario(block_size, num_heads, num_kv_heads, n_pad)
     width = math.ceil(max(DECODE_SEQ_LENS) / block_size) + 2  # zero columns past end
     table, seq_lens = decode_inputs(reqs, block_size, width, pad_rows=n_pad)
     scale = 1 / math.sqrt(HEAD)
-    query = torch.cat(
-        [r.queries for r in reqs]
-        + [torch.randn(n_pad, num_heads, HEAD, generator=torch.Generator())]
-    )
-    out = decode_attention(query, cache, table, seq_lens, scale, window)
+    out = batched_decode_attention(query, cache, table, seq_lens, scale, window)
     n_real = len(reqs)
-    assert out.shape == query.shape
     torch.testing.assert_close(
-        out[:n_real].double(),
-        reference_for(reqs, scale, window),
-        atol=ATOL,
-        rtol=RTOL,
+        out[:n_real].double(), reference_for(reqs, scale, window), atol=ATOL, rtol=RTOL
     )
     assert torch.isfinite(out[n_real:]).all()
-
-    # Without the padding rows and with the narrowest table: same real rows.
-    narrow = math.ceil(max(DECODE_SEQ_LENS) / block_size)
-    table2, seq_lens2 = decode_inputs(reqs, block_size, narrow)
-    out2 = decode_attention(query[:n_real], cache, table2, seq_lens2, scale, window)
-    torch.testing.assert_close(out2, out[:n_real], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_equals_prefill_for_single_token_queries(
+def test_decode_forms_equal_prefill_for_single_token_queries(
     block_size: int, num_heads: int, num_kv_heads: int, window: int | None
 ) -> None:
-    specs = [(s - 1, 1) for s in DECODE_SEQ_LENS]
-    cache, reqs = make_scenario(specs, block_size, num_heads, num_kv_heads, seed=9)
-    write_step(cache, reqs)
-    query = torch.cat([r.queries for r in reqs])
+    cache, reqs, query = _decode_scenario(block_size, num_heads, num_kv_heads, 0, 9)
     width = math.ceil(max(DECODE_SEQ_LENS) / block_size) + 1
     table, seq_lens = decode_inputs(reqs, block_size, width)
-    dec = decode_attention(query, cache, table, seq_lens, 0.4, window)
+    batched = batched_decode_attention(query, cache, table, seq_lens, 0.4, window)
+    flat = decode_attention(
+        query, cache, **flat_inputs(reqs, block_size), scale=0.4, sliding_window=window
+    )
     pre = prefill_attention(
         query,
         cache,
-        **prefill_inputs(reqs, block_size),
+        **prefill_inputs(reqs, block_size, tile=2),
         scale=0.4,
         sliding_window=window,
     )
-    torch.testing.assert_close(dec, pre, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(flat, pre, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(batched, pre, atol=1e-6, rtol=1e-6)
 
 
-def test_decode_reads_through_the_block_table() -> None:
-    """Swapping two requests' block tables swaps which context they read."""
+def test_decode_reads_through_the_block_list() -> None:
+    """Swapping two requests' blocks swaps which context they read."""
     bs = 4
     cache, reqs = make_scenario([(8, 1), (8, 1)], bs, 2, 1, seed=11)
     write_step(cache, reqs)
-    table, seq_lens = decode_inputs(reqs, bs, 3)
     query = torch.cat([reqs[0].queries, reqs[0].queries])
-    out = decode_attention(query, cache, table, seq_lens, 0.5)
+    out = decode_attention(query, cache, **flat_inputs(reqs, bs), scale=0.5)
     ref0 = reference_attention(
         reqs[0].queries, reqs[0].keys, reqs[0].values, [8], 0.5, None
     )
@@ -451,3 +543,92 @@ def test_decode_reads_through_the_block_table() -> None:
     )
     torch.testing.assert_close(out[0:1].double(), ref0, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out[1:2].double(), ref1, atol=ATOL, rtol=RTOL)
+
+
+def test_flat_decode_in_bfloat16_stays_close() -> None:
+    cache, reqs, query = _decode_scenario(16, 4, 2, 2)
+    out = decode_attention(
+        query.bfloat16(),
+        cache.bfloat16(),
+        **flat_inputs(reqs, 16, pad_rows=2, pad_blocks=2),
+        scale=0.25,
+    )
+    assert out.dtype == torch.bfloat16
+    expected = reference_for(reqs, 0.25, None)
+    torch.testing.assert_close(
+        out[: len(reqs)].double(), expected, atol=3e-2, rtol=3e-2
+    )
+
+
+# ----------------------------------------------------------------------------
+# Property test: random mixes of decodes, chunks with context, prefix hits
+# ----------------------------------------------------------------------------
+
+
+@st.composite
+def step_mix(draw: st.DrawFn) -> dict[str, object]:
+    block_size = draw(st.sampled_from([2, 4, 8]))
+    heads = draw(st.sampled_from(HEADS))
+    n_dec = draw(st.integers(0, 4))
+    n_pre = draw(st.integers(0 if n_dec else 1, 4))
+    # decodes: context 1..30; prefills: prior context (chunk or prefix hit)
+    # 0..25 plus a chunk of 2..12 tokens.
+    decodes = [(draw(st.integers(0, 29)), 1) for _ in range(n_dec)]
+    prefills = [
+        (draw(st.integers(0, 25)), draw(st.integers(2, 12))) for _ in range(n_pre)
+    ]
+    return {
+        "block_size": block_size,
+        "heads": heads,
+        "decodes": decodes,
+        "prefills": prefills,
+        "window": draw(st.sampled_from([None, 3, 9])),
+        "tile": draw(st.sampled_from([3, 8, 64])),
+        "pad_tokens": draw(st.integers(0, 5)),
+        "pad_blocks": draw(st.integers(0, 3)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(step_mix())
+def test_random_step_mix_matches_reference(mix: dict) -> None:  # type: ignore[type-arg]
+    bs, (h, hkv) = mix["block_size"], mix["heads"]
+    window = mix["window"]
+    specs = mix["decodes"] + mix["prefills"]
+    cache, reqs = make_scenario(specs, bs, h, hkv, seed=mix["seed"])
+    write_step(cache, reqs, pad_rows=mix["pad_tokens"])
+    dec, pre = reqs[: len(mix["decodes"])], reqs[len(mix["decodes"]) :]
+    scale = 0.35
+    if dec:
+        q = torch.cat([*(r.queries for r in dec), torch.randn(1, h, HEAD)])
+        out = decode_attention(
+            q,
+            cache,
+            **flat_inputs(dec, bs, 1, mix["pad_blocks"]),
+            scale=scale,
+            sliding_window=window,
+        )
+        torch.testing.assert_close(
+            out[: len(dec)].double(),
+            reference_for(dec, scale, window),
+            atol=ATOL,
+            rtol=RTOL,
+        )
+    if pre:
+        q = torch.cat([r.queries for r in pre])
+        q = torch.cat([q, torch.randn(mix["pad_tokens"], h, HEAD)])
+        out = prefill_attention(
+            q,
+            cache,
+            **prefill_inputs(
+                pre, bs, mix["pad_tokens"], mix["pad_blocks"], mix["tile"]
+            ),
+            scale=scale,
+            sliding_window=window,
+        )
+        n = sum(r.query_len for r in pre)
+        torch.testing.assert_close(
+            out[:n].double(), reference_for(pre, scale, window), atol=ATOL, rtol=RTOL
+        )
+        assert torch.isfinite(out).all()

@@ -12,12 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpu_kernels.attention import decode_attention, prefill_attention, write_kv
+from hpu_kernels.attention import PAD_QUERY_POS
+from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
 from vllm_hpu_mm.attention.metadata import (
     StepShape,
     build_metadata,
     count_leading_decodes,
     exact_shape,
+    split_metadata,
     token_row_of_real_tokens,
 )
 
@@ -47,9 +49,28 @@ Q = np.array([1, 1, 4, 2], np.int64)
 SEQ = np.array([6, 4, 7, 2], np.int64)
 TABLE = np.array([[7, 3, 99], [5, 99, 99], [2, 9, 99], [4, 99, 99]], np.int64)
 SLOTS = np.array([13, 23, 11, 36, 37, 38, 16, 17], np.int64)
+# Flat decode: A's 2 blocks + B's 1; one prefill tile: C's 2 blocks + D's 1.
 EXACT = StepShape(
-    num_decodes=2, decode_blocks=2, num_prefill_tokens=6, prefill_blocks=3
+    num_decodes=2, decode_blocks=3, num_prefill_tokens=6, prefill_blocks=3
 )
+# Batched decode: the table is as wide as the longest decode (2 blocks).
+EXACT_BATCHED = StepShape(2, 2, 6, 3)
+PAD = PAD_QUERY_POS
+INT_FIELDS = [
+    "slot_mapping",
+    "decode_seq_lens",
+    "decode_block_list",
+    "decode_block_req",
+    "decode_block_key_pos",
+    "decode_block_table",
+    "prefill_tile_blocks",
+    "prefill_tile_query_pos",
+    "prefill_tile_key_pos",
+]
+
+
+def attended(mask_row: torch.Tensor) -> list[int]:
+    return mask_row.nonzero().flatten().tolist()
 
 
 def test_count_leading_decodes() -> None:
@@ -62,7 +83,10 @@ def test_count_leading_decodes() -> None:
 
 def test_exact_shape_hand_worked() -> None:
     assert exact_shape(Q, SEQ, BS) == EXACT
+    assert exact_shape(Q, SEQ, BS, "batched") == EXACT_BATCHED
     assert EXACT.num_tokens == 8
+    # Tiles of 4 rows: C's rows (one tile, 2 blocks), then D's (1 block).
+    assert exact_shape(Q, SEQ, BS, tile=4) == StepShape(2, 3, 6, 2)
 
 
 def test_build_metadata_hand_worked_exact() -> None:
@@ -70,30 +94,44 @@ def test_build_metadata_hand_worked_exact() -> None:
     assert md.num_decodes == 2
     assert md.num_prefill_tokens == 6
     assert md.num_actual_tokens == 8
+    assert md.decode_form == "flat"
     assert torch.equal(md.slot_mapping, i64(13, 23, 11, 36, 37, 38, 16, 17))
-    assert torch.equal(md.decode_block_table, torch.tensor([[7, 3], [5, 0]]))
     assert torch.equal(md.decode_seq_lens, i64(6, 4))
-    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 0, 1, 1))
-    assert torch.equal(md.prefill_token_pos, i64(3, 4, 5, 6, 0, 1))
-    assert torch.equal(md.prefill_ctx_blocks, i64(2, 9, 4))
-    assert torch.equal(md.prefill_ctx_block_req, i64(0, 0, 1))
-    assert torch.equal(md.prefill_ctx_block_pos, i64(0, 4, 0))
-    for name in [
-        "slot_mapping",
-        "decode_block_table",
-        "decode_seq_lens",
-        "prefill_token_req",
-        "prefill_token_pos",
-        "prefill_ctx_blocks",
-        "prefill_ctx_block_req",
-        "prefill_ctx_block_pos",
-    ]:
+    assert torch.equal(md.decode_block_list, i64(7, 3, 5))
+    assert torch.equal(md.decode_block_req, i64(0, 0, 1))
+    assert md.decode_block_mapping.tolist() == [[1, 1, 0], [0, 0, 1]]
+    assert (md.decode_block_bias == 0).tolist() == [
+        [True] * 4,
+        [True, True, False, False],  # A: positions 4, 5 of 6
+        [True] * 4,
+    ]
+    assert md.decode_block_key_pos.tolist() == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [0, 1, 2, 3],
+    ]
+    assert md.decode_block_table.shape == (2, 0)
+    assert torch.equal(md.prefill_tile_blocks, i64(2, 9, 4)[None])
+    assert md.prefill_tile_query_pos.tolist() == [[3, 4, 5, 6, 0, 1]]
+    assert md.prefill_tile_key_pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    mask = md.prefill_tile_mask[0]
+    assert [attended(mask[r]) for r in range(6)] == [
+        [0, 1, 2, 3],
+        [0, 1, 2, 3, 4],
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5, 6],
+        [8],
+        [8, 9],
+    ]
+    for name in INT_FIELDS:
         assert getattr(md, name).dtype == torch.int64, name
+    assert md.decode_block_bias.dtype == md.decode_block_mapping.dtype == torch.float32
+    assert md.prefill_tile_mask.dtype == torch.bool
 
 
 def test_build_metadata_hand_worked_padded() -> None:
     shape = StepShape(
-        num_decodes=4, decode_blocks=3, num_prefill_tokens=8, prefill_blocks=5
+        num_decodes=4, decode_blocks=5, num_prefill_tokens=8, prefill_blocks=5
     )
     md = build_metadata(Q, SEQ, TABLE, SLOTS, BS, shape, CPU)
     assert md.num_decodes == 4
@@ -101,19 +139,28 @@ def test_build_metadata_hand_worked_padded() -> None:
     assert md.num_actual_tokens == 8
     # Decode rows 0..1 real, 2..3 pad; prefill rows 4..9 real, 10..11 pad.
     assert torch.equal(md.slot_mapping, i64(13, 23, 0, 0, 11, 36, 37, 38, 16, 17, 0, 0))
-    assert torch.equal(
-        md.decode_block_table,
-        torch.tensor([[7, 3, 0], [5, 0, 0], [0, 0, 0], [0, 0, 0]]),
-    )
     assert torch.equal(md.decode_seq_lens, i64(6, 4, 0, 0))
-    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 0, 1, 1, -1, -1))
-    assert torch.equal(md.prefill_token_pos, i64(3, 4, 5, 6, 0, 1, 0, 0))
-    assert torch.equal(md.prefill_ctx_blocks, i64(2, 9, 4, 0, 0))
-    assert torch.equal(md.prefill_ctx_block_req, i64(0, 0, 1, -2, -2))
-    assert torch.equal(md.prefill_ctx_block_pos[:3], i64(0, 4, 0))
-    assert md.prefill_ctx_block_pos.shape == (5,)
+    assert torch.equal(md.decode_block_list, i64(7, 3, 5, 0, 0))
+    assert torch.equal(md.decode_block_req, i64(0, 0, 1, 3, 3))
+    assert md.decode_block_mapping[:, 3:].sum() == 0  # padding blocks: no row
+    assert (md.decode_block_bias[3:] < -1e29).all()
+    assert torch.equal(md.prefill_tile_blocks, i64(2, 9, 4, 0, 0)[None])
+    assert md.prefill_tile_query_pos.tolist() == [[3, 4, 5, 6, 0, 1, PAD, PAD]]
+    mask = md.prefill_tile_mask[0]
+    assert mask.shape == (8, 20)
+    assert attended(mask[6]) == attended(mask[7]) == [0]  # padding rows: key 0
+    assert attended(mask[5]) == [8, 9]
     rows = token_row_of_real_tokens(Q, shape)
     assert rows.tolist() == [0, 1, 4, 5, 6, 7, 8, 9]
+
+    batched = build_metadata(
+        Q, SEQ, TABLE, SLOTS, BS, StepShape(4, 3, 8, 5), CPU, decode_form="batched"
+    )
+    assert torch.equal(
+        batched.decode_block_table,
+        torch.tensor([[7, 3, 0], [5, 0, 0], [0, 0, 0], [0, 0, 0]]),
+    )
+    assert batched.decode_block_list.shape == (0,)
 
 
 def test_decode_first_layout_trailing_single_token_request_is_a_prefill() -> None:
@@ -123,14 +170,14 @@ def test_decode_first_layout_trailing_single_token_request_is_a_prefill() -> Non
     table = np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]], np.int64)
     slots = np.array([2 * 4 + 0, 12, 13, 14, 6 * 4 + 0], np.int64)
     shape = exact_shape(q, seq, 4)
+    # The tile shows request 1's block and request 2's three.
     assert shape == StepShape(1, 2, 4, 4)
     md = build_metadata(q, seq, table, slots, 4, shape, CPU)
     assert torch.equal(md.decode_seq_lens, i64(5))
-    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 1))
-    assert torch.equal(md.prefill_token_pos, i64(0, 1, 2, 8))
-    assert torch.equal(md.prefill_ctx_blocks, i64(3, 4, 5, 6))
-    assert torch.equal(md.prefill_ctx_block_req, i64(0, 1, 1, 1))
-    assert torch.equal(md.prefill_ctx_block_pos, i64(0, 0, 4, 8))
+    assert torch.equal(md.decode_block_list, i64(1, 2))
+    assert md.prefill_tile_query_pos.tolist() == [[0, 1, 2, 8]]
+    assert torch.equal(md.prefill_tile_blocks, i64(3, 4, 5, 6)[None])
+    assert attended(md.prefill_tile_mask[0, 3]) == list(range(4, 13))
     assert torch.equal(md.slot_mapping, torch.from_numpy(slots))
 
 
@@ -139,19 +186,34 @@ def test_only_decodes_and_only_prefills() -> None:
     seq = np.array([3, 9], np.int64)
     table = np.array([[4, 0, 0], [5, 6, 7]], np.int64)
     slots = np.array([4 * 4 + 2, 7 * 4 + 0], np.int64)
-    md = build_metadata(q, seq, table, slots, 4, StepShape(2, 3, 0, 0), CPU)
-    assert torch.equal(md.decode_block_table, torch.tensor([[4, 0, 0], [5, 6, 7]]))
-    assert md.prefill_token_req.shape == (0,)
-    assert md.prefill_ctx_blocks.shape == (0,)
+    md = build_metadata(q, seq, table, slots, 4, StepShape(2, 4, 0, 0), CPU)
+    assert torch.equal(md.decode_block_list, i64(4, 5, 6, 7))
+    assert md.prefill_tile_blocks.shape == (0, 0)
+    assert md.prefill_tile_mask.shape == (0, 0, 0)
 
     q = np.array([2, 3], np.int64)
     seq = np.array([2, 5], np.int64)
     slots = np.array([16, 17, 22, 23, 24], np.int64)
     md = build_metadata(q, seq, table, slots, 4, StepShape(0, 0, 5, 3), CPU)
-    assert md.decode_block_table.shape == (0, 0)
-    assert torch.equal(md.prefill_token_pos, i64(0, 1, 2, 3, 4))
-    assert torch.equal(md.prefill_ctx_blocks, i64(4, 5, 6))
-    assert torch.equal(md.prefill_ctx_block_pos, i64(0, 0, 4))
+    assert md.decode_block_list.shape == (0,)
+    assert md.decode_block_mapping.shape == (0, 0)
+    assert md.prefill_tile_query_pos.tolist() == [[0, 1, 2, 3, 4]]
+    assert torch.equal(md.prefill_tile_blocks, i64(4, 5, 6)[None])
+
+
+def test_split_metadata_gives_each_part_its_own_rows() -> None:
+    shape = StepShape(4, 5, 8, 5)
+    md = build_metadata(Q, SEQ, TABLE, SLOTS, BS, shape, CPU)
+    dec, pre = split_metadata(md)
+    assert (dec.num_decodes, dec.num_prefill_tokens) == (4, 0)
+    assert (pre.num_decodes, pre.num_prefill_tokens) == (0, 8)
+    assert torch.equal(dec.slot_mapping, md.slot_mapping[:4])
+    assert torch.equal(pre.slot_mapping, md.slot_mapping[4:])
+    assert torch.equal(dec.decode_block_list, md.decode_block_list)
+    assert dec.prefill_tile_mask.shape == (0, 8, 20)
+    assert torch.equal(pre.prefill_tile_mask, md.prefill_tile_mask)
+    assert pre.decode_block_list.shape == (0,)
+    assert pre.decode_block_mapping.shape == (0, 0)
 
 
 @pytest.mark.parametrize("name", FIELDS)
@@ -203,6 +265,7 @@ def batches(draw: st.DrawFn) -> dict:
         table[r, : len(b)] = b
     pads = [draw(st.integers(0, 3)) for _ in FIELDS]
     return {
+        "tile": draw(st.sampled_from([3, 8, 128])),
         "bs": bs,
         "query_lens": np.array(query_lens, np.int64),
         "seq_lens": np.array(seq_lens, np.int64),
@@ -223,96 +286,83 @@ def reference_tokens(b: dict) -> list[tuple[int, int, int]]:
 
 
 def padded_shape(b: dict) -> StepShape:
-    real = exact_shape(b["query_lens"], b["seq_lens"], b["bs"])
-    return StepShape(
-        *(getattr(real, f) + p for f, p in zip(FIELDS, b["pads"], strict=True))
-    )
+    real = exact_shape(b["query_lens"], b["seq_lens"], b["bs"], tile=b["tile"])
+    padded = [getattr(real, f) + p for f, p in zip(FIELDS, b["pads"], strict=True)]
+    if padded[2] and not padded[3]:  # prefill rows (even padding) read >= 1 block
+        padded[3] = 1
+    return StepShape(*padded)
 
 
 @settings(max_examples=150, deadline=None)
 @given(batches())
 def test_properties_of_random_batches(b: dict) -> None:
-    bs, q, seq = b["bs"], b["query_lens"], b["seq_lens"]
-    n_dec = 0
-    while n_dec < len(q) and q[n_dec] == 1:
-        n_dec += 1
+    bs, q, seq, tile = b["bs"], b["query_lens"], b["seq_lens"], b["tile"]
+    n_dec = count_leading_decodes(q)
     tokens = reference_tokens(b)
     slots_in = np.array([s for _, _, s in tokens], np.int64)
     shape = padded_shape(b)
-    md = build_metadata(q, seq, b["table"], slots_in, bs, shape, CPU)
+    md = build_metadata(q, seq, b["table"], slots_in, bs, shape, CPU, tile=tile)
 
     # token_row_of_real_tokens: strictly increasing injection into the rows,
     # decode tokens into decode rows, prefill tokens into prefill rows.
     rows = token_row_of_real_tokens(q, shape)
     assert rows.shape == (len(tokens),)
     assert np.all(np.diff(rows) > 0)
-    assert rows.size == 0 or (rows[0] >= 0 and rows[-1] < shape.num_tokens)
-    assert np.all(rows[:n_dec] < shape.num_decodes)
-    assert np.all(rows[n_dec:] >= shape.num_decodes)
     assert rows[:n_dec].tolist() == list(range(n_dec))
+    assert np.all(rows[n_dec:] >= shape.num_decodes)
 
     # Slots: every real token's slot at its row; every other row the null slot 0.
     slot_map = md.slot_mapping.numpy()
     assert slot_map.shape == (shape.num_tokens,)
-    for row, (r, pos, slot) in zip(rows, tokens, strict=True):
-        assert slot == b["block_ids"][r][pos // bs] * bs + pos % bs
+    for row, (_, _, slot) in zip(rows, tokens, strict=True):
         assert slot_map[row] == slot
     pad_rows = np.setdiff1d(np.arange(shape.num_tokens), rows)
     assert np.all(slot_map[pad_rows] == 0)
     assert md.num_actual_tokens == len(tokens)
 
-    # Decode rows: table = the request's blocks then 0; seq len; 0 on padding.
-    table = md.decode_block_table.numpy()
-    assert table.shape == (shape.num_decodes, shape.decode_blocks)
-    for r in range(shape.num_decodes):
-        want = [0] * shape.decode_blocks
-        if r < n_dec:
-            ids = b["block_ids"][r]
-            want[: len(ids)] = ids
-            assert md.decode_seq_lens[r] == seq[r]
-            # The row's own slot agrees with its table.
-            p = int(seq[r]) - 1
-            assert slot_map[r] == table[r, p // bs] * bs + p % bs
-        else:
-            assert md.decode_seq_lens[r] == 0
-        assert table[r].tolist() == want
-
-    # Prefill tokens: (request, position) per row, -1/0 on padding.
-    tok_req = md.prefill_token_req.numpy()
-    tok_pos = md.prefill_token_pos.numpy()
-    assert tok_req.shape == tok_pos.shape == (shape.num_prefill_tokens,)
-    pre = tokens[n_dec:]
-    for i, (r, pos, _) in enumerate(pre):
-        assert tok_req[i] == r - n_dec
-        assert tok_pos[i] == pos
-    assert np.all(tok_req[len(pre) :] == -1)
-    assert np.all(tok_pos[len(pre) :] == 0)
-
-    # Context blocks: every block of every prefill request exactly once, with
-    # its position; everything else padding (block 0, request -2).
-    ctx = md.prefill_ctx_blocks.numpy()
-    ctx_req = md.prefill_ctx_block_req.numpy()
-    ctx_pos = md.prefill_ctx_block_pos.numpy()
-    assert ctx.shape == ctx_req.shape == ctx_pos.shape == (shape.prefill_blocks,)
-    seen = set()
-    for r in range(n_dec, len(q)):
-        for j, blk in enumerate(b["block_ids"][r]):
-            hits = np.flatnonzero((ctx == blk) & (ctx_req == r - n_dec))
-            assert hits.size == 1, (r, j, blk)
-            assert ctx_pos[hits[0]] == j * bs
-            seen.add(int(hits[0]))
-    others = np.setdiff1d(np.arange(shape.prefill_blocks), sorted(seen))
-    assert np.all(ctx[others] == 0)
-    assert np.all(ctx_req[others] == -2)
-
-    # Each prefill row's slot is found through its request's context blocks.
-    for i in range(len(pre)):
-        pos = tok_pos[i]
-        own = np.flatnonzero(
-            (ctx_req == tok_req[i]) & (ctx_pos <= pos) & (pos < ctx_pos + bs)
+    # Flat decode: each decode row's real blocks, in order, exactly once; the
+    # visible keys are its positions 0..seq-1; padding blocks belong to no row.
+    blist = md.decode_block_list.numpy()
+    breq = md.decode_block_req.numpy()
+    mapping = md.decode_block_mapping.numpy()
+    visible = md.decode_block_bias.numpy() == 0
+    kpos = md.decode_block_key_pos.numpy()
+    assert blist.shape == (shape.decode_blocks,)
+    k = 0
+    for r in range(n_dec):
+        ids = b["block_ids"][r]
+        assert blist[k : k + len(ids)].tolist() == ids
+        assert np.all(breq[k : k + len(ids)] == r)
+        assert np.all(mapping[r, k : k + len(ids)] == 1)
+        assert sorted(kpos[k : k + len(ids)][visible[k : k + len(ids)]]) == list(
+            range(int(seq[r]))
         )
-        assert own.size == 1
-        assert slot_map[shape.num_decodes + i] == ctx[own[0]] * bs + pos % bs
+        k += len(ids)
+    assert np.all(blist[k:] == 0)
+    assert not visible[k:].any()
+    assert mapping.sum() == k  # one row per real block, none for padding
+
+    # Prefill tiles: every real row sees exactly its request's positions
+    # 0..pos (through the blocks the tile reads), padding rows key 0 only.
+    nt, tq = md.prefill_tile_query_pos.shape if shape.num_prefill_tokens else (0, 0)
+    assert nt * tq >= shape.num_prefill_tokens
+    tblocks = md.prefill_tile_blocks.numpy()
+    mask = md.prefill_tile_mask.numpy()
+    tkpos = md.prefill_tile_key_pos.numpy()
+    pre = tokens[n_dec:]
+    for i in range(nt * tq):
+        t, j = divmod(i, tq)
+        keys = np.flatnonzero(mask[t, j])
+        if i >= len(pre):
+            assert keys.tolist() == [0]
+            continue
+        r, pos, _ = pre[i]
+        assert md.prefill_tile_query_pos[t, j] == pos
+        assert sorted(tkpos[t, keys].tolist()) == list(range(pos + 1))
+        # Each visible key lies in one of the request's own blocks.
+        for key in keys:
+            blk = tblocks[t, key // bs]
+            assert blk == b["block_ids"][r][tkpos[t, key] // bs]
 
 
 # ----------------------------------------------------------------------------
@@ -344,12 +394,14 @@ def reference_attention(
     return out
 
 
+@pytest.mark.parametrize("form", ["flat", "batched"])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_metadata_drives_kernels_like_the_reference(
-    block_size: int, window: int | None
+def test_metadata_drives_the_backend_like_the_reference(
+    block_size: int, window: int | None, form: str
 ) -> None:
-    """A mixed step (decodes + chunked prefills), padded, through the kernels."""
+    """A mixed step (decodes + chunked prefills), padded, through the backend's
+    forward (K/V write, decode and prefill kernels), whole and split."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head = 4, 2, 8
     scale = 0.35
@@ -385,14 +437,24 @@ def test_metadata_drives_kernels_like_the_reference(
         np.int64,
     )
 
-    real = exact_shape(q, seq, block_size)
+    real = exact_shape(q, seq, block_size, form, tile=4)  # type: ignore[arg-type]
     shape = StepShape(
         real.num_decodes + 2,
         real.decode_blocks + 1,
         real.num_prefill_tokens + 3,
         real.prefill_blocks + 2,
     )
-    md = build_metadata(q, seq, table, slots, block_size, shape, CPU)
+    md = build_metadata(
+        q,
+        seq,
+        table,
+        slots,
+        block_size,
+        shape,
+        CPU,
+        decode_form=form,
+        tile=4,  # type: ignore[arg-type]
+    )
     rows = token_row_of_real_tokens(q, shape)
 
     n_rows = shape.num_tokens
@@ -407,37 +469,39 @@ def test_metadata_drives_kernels_like_the_reference(
         value[idx] = values[r][c:]
         k += n
 
-    write_kv(cache, key, value, md.slot_mapping)
-    nd = md.num_decodes
-    out = torch.cat(
-        [
-            decode_attention(
-                query[:nd],
-                cache,
-                md.decode_block_table,
-                md.decode_seq_lens,
-                scale,
-                window,
-            ),
-            prefill_attention(
-                query[nd:],
-                cache,
-                md.prefill_token_req,
-                md.prefill_token_pos,
-                md.prefill_ctx_blocks,
-                md.prefill_ctx_block_req,
-                md.prefill_ctx_block_pos,
-                scale,
-                window,
-            ),
-        ]
+    impl = HpuMMAttentionImpl(
+        num_heads, head, scale, num_kv_heads, sliding_window=window
     )
-    assert torch.isfinite(out).all()
+    whole = impl.forward(
+        None,
+        query,
+        key,
+        value,
+        cache.clone(),
+        md,
+        torch.empty_like(query),  # type: ignore[arg-type]
+    )
+    # The same step as two passes (decode rows, then prefill rows).
+    split_cache = cache.clone()
+    dec, pre = split_metadata(md)
+    nd = md.num_decodes
+    parts = [
+        impl.forward(
+            None, query[s], key[s], value[s], split_cache, m, torch.empty_like(query[s])
+        )  # type: ignore[arg-type]
+        for s, m in ((slice(0, nd), dec), (slice(nd, None), pre))
+    ]
+    split = torch.cat(parts)
+    assert torch.isfinite(whole).all()
+    # Real rows agree (padding rows read the null block, which both runs'
+    # padding rows write in a different order).
+    real_rows = torch.from_numpy(rows)
+    torch.testing.assert_close(split[real_rows], whole[real_rows], atol=1e-6, rtol=1e-6)
     k = 0
     for r, (c, n) in enumerate(specs):
         want = reference_attention(
             queries[r], keys[r], values[r], list(range(c, c + n)), scale, window
         )
-        got = out[torch.from_numpy(rows[k : k + n])].double()
+        got = whole[torch.from_numpy(rows[k : k + n])].double()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         k += n

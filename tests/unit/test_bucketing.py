@@ -20,6 +20,7 @@ from vllm_hpu_mm.bucketing.buckets import (
     BucketSet,
     Limits,
     clip,
+    count_graphs,
     default_buckets,
     explicit,
     exponential,
@@ -27,6 +28,7 @@ from vllm_hpu_mm.bucketing.buckets import (
     linear,
     padding_ratio,
     smallest_fit,
+    step_shapes,
 )
 from vllm_hpu_mm.bucketing.policy import Bucketer, PaddedSizes, StepSizes
 
@@ -174,9 +176,14 @@ def test_default_sets_are_within_and_closed_at_the_limits(
     assert all(0 < v <= limits.max_tokens for v in b.tokens)
     assert all(0 < v <= limits.max_num_seqs for v in b.batch)
     assert all(0 < v <= limits.max_blocks for v in b.blocks)
-    # A decode-only step's token rows are its requests: batch sizes are token sizes.
-    assert {v for v in b.batch if v <= limits.max_tokens} <= set(b.tokens)
     assert b.num_graphs == len(b.tokens) + len(b.batch)
+    for form in ("flat", "batched"):
+        decode, prefill = step_shapes(b, limits, form)
+        assert count_graphs(b, limits, form) == len(decode) + len(prefill) + len(
+            b.batch
+        )
+        assert all(r in b.batch and n in b.blocks for r, n in decode)
+        assert all(t in b.tokens and n in b.blocks for t, n in prefill)
 
 
 @FAST
@@ -194,20 +201,10 @@ def test_legal_step_takes_the_smallest_fitting_bucket_and_no_fallback(
     assert_smallest(s.num_reqs, p.batch, b.batch)
     assert_smallest(s.decode_blocks, p.decode_blocks, b.blocks)
     assert_smallest(s.prefill_blocks, p.prefill_blocks, b.blocks)
-    if s.prefill_tokens == 0:
-        assert_smallest(s.num_decodes, p.num_decodes, b.tokens)
-        assert p.prefill_tokens == 0
-        return
-    # Mixed or prefill step: decode rows to a batch bucket, then the total to
-    # a token bucket; past the largest token bucket the decode rows give way.
-    dec = smallest_fit(s.num_decodes, b.batch) if s.num_decodes else 0
-    assert dec is not None
-    if dec + s.prefill_tokens <= b.tokens[-1]:
-        assert p.num_decodes == dec
-        assert_smallest(dec + s.prefill_tokens, p.tokens, b.tokens)
-    else:
-        assert p.tokens == b.tokens[-1]
-        assert p.num_decodes == b.tokens[-1] - s.prefill_tokens
+    # The decode part pads to a batch bucket, the prefill part to a token
+    # bucket, each on its own (a mixed step runs as two passes).
+    assert_smallest(s.num_decodes, p.num_decodes, b.batch)
+    assert_smallest(s.prefill_tokens, p.prefill_tokens, b.tokens)
 
 
 @FAST
@@ -235,10 +232,10 @@ def test_legal_steps_never_fall_back_over_a_run(
     batch=st.lists(st.integers(-5, 400), max_size=12),
     blocks=st.lists(st.integers(-5, 200000), max_size=12),
 )
-def test_explicit_clips_to_the_limits_and_merges_batch_into_tokens(
+def test_explicit_clips_to_the_limits(
     limits: Limits, tokens: list[int], batch: list[int], blocks: list[int]
 ) -> None:
-    want_tokens = {v for v in tokens + batch if 0 < v <= limits.max_tokens}
+    want_tokens = {v for v in tokens if 0 < v <= limits.max_tokens}
     want_batch = {v for v in batch if 0 < v <= limits.max_num_seqs}
     want_blocks = {v for v in blocks if 0 < v <= limits.max_blocks}
     if not (want_tokens and want_batch and want_blocks):
@@ -320,8 +317,8 @@ def test_bucketer_pads_every_step_to_a_fit_and_bounds_each_fallback(
     check(s.num_reqs, p.batch, batch, "batch")
     check(s.decode_blocks, p.decode_blocks, blocks, "blocks")
     check(s.prefill_blocks, p.prefill_blocks, blocks, "blocks")
-    if s.prefill_tokens == 0:
-        check(s.num_decodes, p.num_decodes, b.tokens, "tokens")
+    check(s.num_decodes, p.num_decodes, batch, "batch")
+    check(s.prefill_tokens, p.prefill_tokens, tokens, "tokens")
 
 
 @FAST
@@ -350,14 +347,11 @@ def test_token_fallback_is_bounded_by_the_real_token_rows(
 ) -> None:
     """The fallback promises a pad below the size itself (fallback_size; the
     docs: "pad it to at most [2] times its real size"); for a step whose
-    token rows take it, that size is the step's real token rows.
+    token rows take it, that size is the step's real prefill rows (the decode
+    rows are a part of their own, padded on the batch axis).
 
-    Fails on policy.py as committed (38fab45): in a step with prefill, the
-    decode rows are first padded to a batch bucket (or the batch fallback),
-    and the token fallback is then sized from that padded total, so a step
-    above the largest token bucket can be padded to many times its rows (see
-    the examples). The top-bucket rule (decode rows give way) only applies
-    when the real rows fit the largest token bucket."""
+    Failed on policy.py as of 38fab45, when decode rows were padded first and
+    the token fallback sized from that padded total (see the examples)."""
     b = BucketSet(tokens, batch, (1,))
     logger = logging.getLogger(LOGGER)
     logger.disabled = True
@@ -366,7 +360,7 @@ def test_token_fallback_is_bounded_by_the_real_token_rows(
     finally:
         logger.disabled = False
     if "tokens" in p.fallbacks:
-        assert p.tokens < 2 * s.tokens, (s, p)
+        assert p.prefill_tokens < 2 * s.prefill_tokens, (s, p)
 
 
 def test_fallback_warns_once_per_axis_and_size_and_counts_steps(
@@ -487,12 +481,12 @@ def test_default_set_examples() -> None:
     limits = Limits(128, 8192, 8192, 128)
     exp = default_buckets(limits, "exponential")
     assert exp.batch == (1, 2, 4, 8, 16, 32, 64, 128)
-    assert exp.tokens == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert exp.tokens == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     assert exp.blocks == exponential(1, 8192)
-    assert exp.num_graphs == 22
+    assert exp.num_graphs == 18
     lin = default_buckets(limits, "linear", min_tokens=32, batch_step=32)
     assert lin.batch == (1, 32, 64, 96, 128)
-    assert lin.tokens[:6] == (1, 32, 64, 96, 128, 256)
+    assert lin.tokens[:4] == (32, 128, 256, 384)
     assert clip([5, 0, 300, 7, 5], 100) == (5, 7, 100)
 
 
@@ -561,3 +555,69 @@ def test_padding_ratio() -> None:
     assert padding_ratio([3, 5], [4, 8]) == pytest.approx(1 - 8 / 12)
     assert padding_ratio([], []) == 0.0
     assert padding_ratio([7], [7]) == 0.0
+
+
+# --------------------------------------------------------------------------
+# step_shapes: warmup's list holds every key a real step pads to
+# --------------------------------------------------------------------------
+
+
+@st.composite
+def real_step_st(draw: st.DrawFn, limits: Limits) -> tuple[object, object]:
+    """(query_lens, seq_lens) of a real step: decodes, then prefill chunks, at
+    most one of them with prior context (a continued chunk or a prefix hit)."""
+    import numpy as np
+
+    seqs, budget, model_len = (
+        limits.max_num_seqs,
+        limits.max_tokens,
+        limits.max_model_len,
+    )
+    n_dec = draw(st.integers(0, min(seqs, budget)))
+    dec_ctx = [draw(st.integers(1, model_len)) for _ in range(n_dec)]
+    left, q, prior = budget - n_dec, [], []
+    for i in range(min(seqs - n_dec, 6)):
+        if left < 2 or not draw(st.booleans()):
+            break
+        n = draw(st.integers(2, min(left, model_len)))
+        p = draw(st.integers(0, model_len - n)) if i == 0 else 0
+        q.append(n)
+        prior.append(p)
+        left -= n
+    query = np.array([1] * n_dec + q, np.int64)
+    seq = np.array(dec_ctx + [p + n for p, n in zip(prior, q, strict=True)], np.int64)
+    return query, seq
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), form=st.sampled_from(["flat", "batched"]))
+def test_every_real_step_pads_to_a_warmed_shape(data: st.DataObject, form: str) -> None:
+    from vllm_hpu_mm.attention.metadata import exact_shape
+
+    limits = data.draw(
+        st.builds(
+            Limits,
+            max_num_seqs=st.integers(1, 16),
+            max_num_batched_tokens=st.integers(2, 512),
+            max_model_len=st.integers(2, 1024),
+            block_size=st.sampled_from([4, 16]),
+        )
+    )
+    b = data.draw(default_set_st(limits))
+    query, seq = data.draw(real_step_st(limits))
+    real = exact_shape(query, seq, limits.block_size, form, tile=32)  # type: ignore[arg-type]
+    p = Bucketer(b).pad(
+        StepSizes(
+            num_reqs=int(query.size),
+            num_decodes=real.num_decodes,
+            decode_blocks=real.decode_blocks,
+            prefill_tokens=real.num_prefill_tokens,
+            prefill_blocks=real.prefill_blocks,
+        )
+    )
+    assert p.fallbacks == ()
+    decode, prefill = step_shapes(b, limits, form, prefill_tile=32)
+    if p.num_decodes:
+        assert (p.num_decodes, p.decode_blocks) in decode
+    if p.prefill_tokens:
+        assert (p.prefill_tokens, p.prefill_blocks) in prefill

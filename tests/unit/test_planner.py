@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from vllm_hpu_mm.bucketing.buckets import (
     BucketSet,
     Limits,
+    count_graphs,
     default_buckets,
     explicit,
 )
@@ -195,9 +196,29 @@ def test_plan_buckets_respects_the_budget_and_closes_at_the_limits(
 def test_plan_buckets_rejects_a_budget_below_the_least(
     design_sample: list[StepSizes],
 ) -> None:
-    with pytest.raises(ValueError, match=r"graph_budget=2 is below .*: 3"):
-        plan_buckets(design_sample, DESIGN, 2)
-    assert plan_buckets(design_sample, DESIGN, 3).num_graphs == 3
+    with pytest.raises(ValueError, match=r"graph_budget=1 is below .*: 2"):
+        plan_buckets(design_sample, DESIGN, 1)
+    assert plan_buckets(design_sample, DESIGN, 2).num_graphs == 2
+
+
+@pytest.mark.parametrize("form", ["batched", "flat"])
+def test_step_graph_budget_caps_the_graphs_warmup_compiles(
+    design_sample: list[StepSizes], form: str
+) -> None:
+    free = plan_buckets_detailed(design_sample, DESIGN, 16, decode_form=form).buckets
+    graphs = count_graphs(free, DESIGN, form)
+    cap = graphs // 2
+    capped = plan_buckets_detailed(
+        design_sample, DESIGN, 16, step_graph_budget=cap, decode_form=form
+    ).buckets
+    assert count_graphs(capped, DESIGN, form) <= cap < graphs
+    # Only block edges go; the set stays closed at the limits.
+    assert (capped.tokens, capped.batch) == (free.tokens, free.batch)
+    assert set(capped.blocks) < set(free.blocks)
+    assert capped.blocks[-1] == DESIGN.max_blocks
+    assert evaluate(capped, design_sample)["fallback_steps"] == 0
+    with pytest.raises(ValueError, match="step_graph_budget=1 is below"):
+        plan_buckets_detailed(design_sample, DESIGN, 16, step_graph_budget=1)
     with pytest.raises(ValueError, match="at least one sampled step"):
         plan_buckets([], DESIGN, 10)
 
@@ -330,7 +351,7 @@ def test_cli_plan_synthetic_round_trip(
     planned_row = next(r for r in printed.splitlines() if r.startswith("| planned"))
     assert int(planned_row.split("|")[2]) <= 18
     assert planned_row.split("|")[-2].strip() == "0"  # no fallback steps
-    assert "| exponential (default) | 22 |" in printed
+    assert "| exponential (default) | 17 |" in printed
 
     text = out.read_text()
     assert text.startswith("# Bucket lists planned by `vllm-hpu-mm buckets plan`")
@@ -395,7 +416,8 @@ def test_cli_plan_reports_bad_sample_files(
 def test_cli_show_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["buckets", "show", *LIMIT_ARGS]) == 0
     out = capsys.readouterr().out
-    assert "exponential: 22 graphs" in out
+    assert "exponential: 17 sizes" in out
+    assert "step-shape graphs" in out
     assert "batch (8): 1, 2, 4, 8, 16, 32, 64, 128" in out
     assert "linear: " in out
 
@@ -405,7 +427,7 @@ def test_cli_show_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     )
     assert main(["buckets", "show", "--file", str(bucket_file)]) == 0
     out = capsys.readouterr().out
-    assert "tokens (2): 2, 64" in out  # 9000 is above max_num_batched_tokens
+    assert "tokens (1): 64" in out  # 9000 is above max_num_batched_tokens
 
     assert main(["buckets"]) == 2
     assert "plan" in capsys.readouterr().err

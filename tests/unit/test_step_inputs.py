@@ -134,7 +134,9 @@ def test_build_step_hand_worked() -> None:
 
     batch = build_step(req_ids, [states[r] for r in req_ids], q, shape_for, BS, CPU)
 
-    assert seen == [(StepShape(2, 2, 8, 4), 4)]
+    # Decode blocks: the flat list of the decodes' real blocks (2 + 1); prefill
+    # blocks: one tile holds all 8 rows and reads span's 3 blocks + fresh's 1.
+    assert seen == [(StepShape(2, 3, 8, 4), 4)]
     assert batch.shape == bucket
     assert batch.req_ids == req_ids
     assert batch.num_reqs == 4
@@ -156,16 +158,45 @@ def test_build_step_hand_worked() -> None:
     assert torch.equal(
         md.slot_mapping, i64(14, 27, 0, 0, 4, 5, 6, 7, 36, 8, 9, 10, *[0] * 8)
     )
+    assert md.decode_form == "flat"
+    assert torch.equal(md.decode_block_list, i64(8, 3, 6, 0))
+    assert torch.equal(md.decode_block_req, i64(0, 0, 1, 3))
+    assert md.decode_block_mapping.tolist() == [
+        [1, 1, 0, 0],
+        [0, 0, 1, 0],
+        [0, 0, 0, 0],
+        [0, 0, 0, 0],
+    ]
+    assert torch.equal(md.decode_seq_lens, i64(7, 4, 0, 0))
+    # dec: positions 0..6 of blocks 8, 3 visible; dec2: 0..3 of block 6.
+    visible = (md.decode_block_bias == 0).tolist()
+    assert visible[:3] == [[True] * 4, [True, True, True, False], [True] * 4]
+    assert visible[3] == [False] * 4
+    # One tile of 16 rows over 8 blocks: span's blocks, fresh's, padding.
+    assert torch.equal(md.prefill_tile_blocks, i64(5, 1, 9, 2, 0, 0, 0, 0)[None])
+    pad = -(2**40)
+    assert md.prefill_tile_query_pos.tolist() == [[4, 5, 6, 7, 8, 0, 1, 2, *[pad] * 8]]
+    mask = md.prefill_tile_mask[0]  # [16 rows, 32 keys]
+    assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # span pos 4
+    assert mask[4].nonzero().flatten().tolist() == list(range(9))  # span pos 8
+    assert mask[5].nonzero().flatten().tolist() == [12]  # fresh pos 0
+    assert mask[7].nonzero().flatten().tolist() == [12, 13, 14]  # fresh pos 2
+    assert all(mask[r].nonzero().flatten().tolist() == [0] for r in range(8, 16))
+
+    batched = build_step(
+        req_ids,
+        [states[r] for r in req_ids],
+        q,
+        lambda exact, n: (bucket, 6),
+        BS,
+        CPU,
+        decode_form="batched",
+    )
     assert torch.equal(
-        md.decode_block_table,
+        batched.attn_metadata.decode_block_table,
         torch.tensor([[8, 3, 0, 0], [6, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]),
     )
-    assert torch.equal(md.decode_seq_lens, i64(7, 4, 0, 0))
-    assert torch.equal(md.prefill_token_req, i64(0, 0, 0, 0, 0, 1, 1, 1, *[-1] * 8))
-    assert torch.equal(md.prefill_token_pos, i64(4, 5, 6, 7, 8, 0, 1, 2, *[0] * 8))
-    assert torch.equal(md.prefill_ctx_blocks, i64(5, 1, 9, 2, 0, 0, 0, 0))
-    assert torch.equal(md.prefill_ctx_block_req, i64(0, 0, 0, 1, -2, -2, -2, -2))
-    assert torch.equal(md.prefill_ctx_block_pos[:4], i64(0, 4, 8, 0))
+    assert batched.attn_metadata.decode_block_list.numel() == 0
     assert md.num_actual_tokens == 10
 
 
@@ -176,7 +207,7 @@ def test_build_step_exact_bucket() -> None:
     batch = build_step(
         req_ids, [states[r] for r in req_ids], q, lambda s, n: (s, n), BS, CPU
     )
-    assert batch.shape == StepShape(2, 2, 8, 4)
+    assert batch.shape == StepShape(2, 3, 8, 4)
     assert batch.input_ids.tolist() == [52, 71, 25, 26, 61, 62, 63, 31, 32, 33]
     assert batch.positions.tolist() == [6, 3, 4, 5, 6, 7, 8, 0, 1, 2]
     assert batch.logits_rows.tolist() == [0, 1, 6, 9]
@@ -321,12 +352,15 @@ def test_gather_and_build_step_properties(
     want = build_metadata(q, seq_lens, table, slots, bs, shape, CPU)
     for name in [
         "slot_mapping",
-        "decode_block_table",
         "decode_seq_lens",
-        "prefill_token_req",
-        "prefill_token_pos",
-        "prefill_ctx_blocks",
-        "prefill_ctx_block_req",
-        "prefill_ctx_block_pos",
+        "decode_block_list",
+        "decode_block_req",
+        "decode_block_bias",
+        "decode_block_mapping",
+        "decode_block_table",
+        "prefill_tile_blocks",
+        "prefill_tile_mask",
+        "prefill_tile_query_pos",
+        "prefill_tile_key_pos",
     ]:
         assert torch.equal(getattr(md, name), getattr(want, name)), name

@@ -3,7 +3,13 @@
 The model's ``Attention`` layers call ``HpuMMAttentionImpl.forward`` with the
 step's ``HpuMMAttentionMetadata`` (set by our model runner through vLLM's forward
 context). The forward writes this step's K/V into the paged cache, then runs the
-decode rows and the prefill rows through the kernels of ``hpu_kernels``.
+decode rows (flat or batched form) and the prefill rows (tiles) through the
+kernels of ``hpu_kernels``.
+
+The platform's ``opaque_attention_op`` is False, so vLLM's ``Attention.forward``
+calls ``unified_attention_with_output`` directly and Dynamo traces this forward
+into the compiled body: its static shapes (and the metadata's ints) are the
+graph key.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from hpu_kernels.attention import decode_attention, prefill_attention, write_kv
+from hpu_kernels.attention import (
+    SdpaFn,
+    batched_decode_attention,
+    decode_attention,
+    prefill_attention,
+    write_kv,
+)
 from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     build_metadata,
@@ -114,6 +126,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
+        # The SDPA kernel; a device's fused one (FusedSDPA on Gaudi) plugs in here.
+        self.sdpa: SdpaFn = torch.nn.functional.scaled_dot_product_attention
 
     def forward(
         self,
@@ -135,27 +149,46 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         write_kv(kv_cache, key, value, md.slot_mapping)
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
-            output[:n_dec] = decode_attention(
-                query[:n_dec],
-                kv_cache,
-                md.decode_block_table,
-                md.decode_seq_lens,
-                self.scale,
-                self.sliding_window,
-            )
+            output[:n_dec] = self._decode(query[:n_dec], kv_cache, md)
         if n_pre:
             output[n_dec : n_dec + n_pre] = prefill_attention(
                 query[n_dec : n_dec + n_pre],
                 kv_cache,
-                md.prefill_token_req,
-                md.prefill_token_pos,
-                md.prefill_ctx_blocks,
-                md.prefill_ctx_block_req,
-                md.prefill_ctx_block_pos,
+                md.prefill_tile_blocks,
+                md.prefill_tile_mask,
+                md.prefill_tile_query_pos,
+                md.prefill_tile_key_pos,
+                self.scale,
+                self.sliding_window,
+                sdpa=self.sdpa,
+            )
+        return output
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: HpuMMAttentionMetadata
+    ) -> torch.Tensor:
+        if md.decode_form == "flat":
+            return decode_attention(
+                query,
+                kv_cache,
+                md.decode_block_list,
+                md.decode_block_req,
+                md.decode_block_bias,
+                md.decode_block_key_pos,
+                md.decode_block_mapping,
+                md.decode_seq_lens,
                 self.scale,
                 self.sliding_window,
             )
-        return output
+        return batched_decode_attention(
+            query,
+            kv_cache,
+            md.decode_block_table,
+            md.decode_seq_lens,
+            self.scale,
+            self.sliding_window,
+            sdpa=self.sdpa,
+        )
 
 
 class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetadata]):

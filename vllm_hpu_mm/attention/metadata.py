@@ -1,20 +1,25 @@
-"""Attention metadata of one engine step, and the pure function that builds it.
+"""Attention metadata of one engine step, and the pure functions that build it.
 
 Index spaces used below:
 
 - *token rows*: rows of the step's flattened token batch, decode rows first
   (``[0, num_decodes)``), then prefill rows (``[num_decodes, num_tokens)``);
 - *positions*: a token's absolute position inside its request;
-- *slots*: rows of a layer's KV cache seen as ``[num_blocks * block_size]``.
+- *slots*: rows of a layer's KV cache seen as ``[num_blocks * block_size]``;
+- *tiles*: the prefill rows cut into ``NT`` tiles of ``tq`` consecutive rows
+  (``tq = min(PREFILL_TILE, num_prefill_tokens)``).
 
 Every tensor has a length fixed by the step's bucket (``StepShape``); padding
-entries are described field by field and never touch a real KV slot.
+entries are described field by field and never touch a real KV slot. Masks,
+block lists and gather indices are built here once per step (on the host), not
+per layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -23,25 +28,57 @@ from vllm.v1.attention.backend import AttentionMetadata
 if TYPE_CHECKING:
     from vllm_hpu_mm.worker.buffers import DeviceBuffers
 
-from hpu_kernels.attention import PAD_BLOCK_REQ, PAD_TOKEN_REQ
+from hpu_kernels.attention import MASKED_SCORE, PAD_QUERY_POS
 
 # The slot padding tokens write to: slot 0 of vLLM's null block, owned by no request.
 PAD_SLOT = 0
 PAD_BLOCK = 0
 
+PREFILL_TILE = 128
+"""Prefill rows per attention tile. Larger tiles gather each request's context
+fewer times; smaller ones let a tile read fewer other requests' keys."""
+
+DecodeForm = Literal["flat", "batched"]
+"""``flat``: the decode rows' real blocks as one list (``decode_blocks`` is the
+list's length); ``batched``: a ``[num_decodes, decode_blocks]`` block table."""
+
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """Padded sizes of one step (a bucket). Real sizes must not exceed them."""
+    """Padded sizes of one step (a bucket). Real sizes must not exceed them.
+
+    With attention inside the compiled graph, this is the graph key: a decode
+    part ``(num_decodes, decode_blocks)`` and a prefill part
+    ``(num_prefill_tokens, prefill_blocks)``; a mixed step runs as two passes
+    (``decode_part``, ``prefill_part``), so graphs add up instead of multiplying.
+    """
 
     num_decodes: int  # decode rows (one token each)
-    decode_blocks: int  # block-table width of the decode rows
+    decode_blocks: int  # flat: blocks of all decode rows; batched: table width
     num_prefill_tokens: int  # flattened prefill tokens
-    prefill_blocks: int  # context blocks of all prefill requests together
+    prefill_blocks: int  # context blocks read by one prefill tile (widest tile)
 
     @property
     def num_tokens(self) -> int:
         return self.num_decodes + self.num_prefill_tokens
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.num_decodes > 0 and self.num_prefill_tokens > 0
+
+    def decode_part(self) -> StepShape:
+        return StepShape(self.num_decodes, self.decode_blocks, 0, 0)
+
+    def prefill_part(self) -> StepShape:
+        return StepShape(0, 0, self.num_prefill_tokens, self.prefill_blocks)
+
+
+def tile_rows(num_prefill_tokens: int, tile: int = PREFILL_TILE) -> tuple[int, int]:
+    """(tiles, rows per tile) of a prefill part of ``num_prefill_tokens`` rows."""
+    if num_prefill_tokens == 0:
+        return 0, 0
+    tq = min(tile, num_prefill_tokens)
+    return -(-num_prefill_tokens // tq), tq
 
 
 @dataclass
@@ -54,29 +91,44 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     """Prefill token rows (padded): rows [num_decodes, num_decodes + this)."""
     num_actual_tokens: int
     """Real (unpadded) tokens of the step, decode and prefill together."""
+    decode_form: str
+    """``flat`` or ``batched`` (``DecodeForm``): which decode tensors are used."""
     slot_mapping: torch.Tensor
     """[num_tokens] int64, cache slot written by each token row; padding rows
     write PAD_SLOT in the null block."""
-    decode_block_table: torch.Tensor
-    """[num_decodes, decode_blocks] int64 block ids; PAD_BLOCK past each row's
-    last block and on padding rows."""
     decode_seq_lens: torch.Tensor
     """[num_decodes] int64 context length including the current token; 0 on
     padding rows."""
-    prefill_token_req: torch.Tensor
-    """[num_prefill_tokens] int64 index (among the step's prefill requests) of
-    each prefill row's request; PAD_TOKEN_REQ (-1) on padding rows."""
-    prefill_token_pos: torch.Tensor
-    """[num_prefill_tokens] int64 position of each prefill row; 0 on padding."""
-    prefill_ctx_blocks: torch.Tensor
-    """[prefill_blocks] int64 cache blocks holding every prefill request's
-    context (prior chunks, prefix-cache hits and this chunk), request after
-    request; PAD_BLOCK on padding."""
-    prefill_ctx_block_req: torch.Tensor
-    """[prefill_blocks] int64 owning request of each block; PAD_BLOCK_REQ (-2)
-    on padding, so padding tokens and padding blocks never match."""
-    prefill_ctx_block_pos: torch.Tensor
-    """[prefill_blocks] int64 position held by each block's first slot."""
+    decode_block_list: torch.Tensor
+    """flat: [decode_blocks] int64 block ids of every decode row, row after row;
+    PAD_BLOCK on padding. batched: empty."""
+    decode_block_req: torch.Tensor
+    """flat: [decode_blocks] int64 decode row owning each block (padding blocks:
+    the last row). batched: empty."""
+    decode_block_bias: torch.Tensor
+    """flat: [decode_blocks, block_size] float32 additive score, 0 on keys inside
+    the row's length, MASKED_SCORE elsewhere. batched: empty."""
+    decode_block_key_pos: torch.Tensor
+    """flat: [decode_blocks, block_size] int64 position of each key in its
+    request (for sliding windows). batched: empty."""
+    decode_block_mapping: torch.Tensor
+    """flat: [num_decodes, decode_blocks] float32 one-hot row of each block
+    (padding blocks: all 0). batched: empty."""
+    decode_block_table: torch.Tensor
+    """batched: [num_decodes, decode_blocks] int64 block ids; PAD_BLOCK past
+    each row's last block and on padding rows. flat: empty."""
+    prefill_tile_blocks: torch.Tensor
+    """[NT, prefill_blocks] int64 blocks each tile reads: for each request with
+    rows in the tile, its blocks up to the tile's last row of it; PAD_BLOCK on
+    padding."""
+    prefill_tile_mask: torch.Tensor
+    """[NT, tq, prefill_blocks * block_size] bool: row may attend key (same
+    request, key position <= row position); padding rows keep key 0 only."""
+    prefill_tile_query_pos: torch.Tensor
+    """[NT, tq] int64 position of each prefill row; PAD_QUERY_POS on padding."""
+    prefill_tile_key_pos: torch.Tensor
+    """[NT, prefill_blocks * block_size] int64 position of each key in its
+    request; 0 on padding."""
     mm_maps: dict[str, object] = field(default_factory=dict)
     """Per modality: the placeholder row maps (encoder-output rows to token
     rows) of this step's chunk, filled by the multimodal input builder."""
@@ -92,24 +144,213 @@ def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - starts
 
 
-def exact_shape(
-    query_lens: np.ndarray, seq_lens: np.ndarray, block_size: int
-) -> StepShape:
-    """The unpadded StepShape of a batch ordered decodes first."""
-    num_decodes = count_leading_decodes(query_lens)
-    blocks = -(-seq_lens // block_size)
-    return StepShape(
-        num_decodes=num_decodes,
-        decode_blocks=int(blocks[:num_decodes].max(initial=0)),
-        num_prefill_tokens=int(query_lens[num_decodes:].sum()),
-        prefill_blocks=int(blocks[num_decodes:].sum()),
-    )
-
-
 def count_leading_decodes(query_lens: np.ndarray) -> int:
     """Requests at the front of the batch with exactly one query token."""
     not_decode = np.flatnonzero(query_lens != 1)
     return int(not_decode[0]) if not_decode.size else int(query_lens.size)
+
+
+# --------------------------------------------------------------------------
+# Prefill tiles
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _TileKeys:
+    """Keys of one tile: for each request with rows in it, (request, blocks)."""
+
+    reqs: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks)
+
+
+def _prefill_rows(
+    query_lens: np.ndarray, seq_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(request, position) of each real prefill row, request after request."""
+    local = np.arange(query_lens.size, dtype=np.int64)
+    req = np.repeat(local, query_lens)
+    pos = np.repeat(seq_lens - query_lens, query_lens) + _ragged_arange(query_lens)
+    return req, pos
+
+
+def _tile_keys(
+    row_req: np.ndarray, row_pos: np.ndarray, block_size: int, tq: int
+) -> list[_TileKeys]:
+    """Per tile of ``tq`` rows: its requests and the blocks each must show."""
+    out = []
+    for start in range(0, row_req.size, tq):
+        req, pos = row_req[start : start + tq], row_pos[start : start + tq]
+        reqs, last = np.unique(req, return_index=False), []
+        for r in reqs:
+            last.append(int(pos[req == r].max()) // block_size + 1)
+        out.append(_TileKeys(tuple(int(r) for r in reqs), tuple(last)))
+    return out
+
+
+def prefill_context_blocks(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    tile: int = PREFILL_TILE,
+) -> int:
+    """Blocks the widest tile reads (the exact ``prefill_blocks``) for prefill
+    requests with these query and context lengths (padding only adds tiles
+    with no real rows, so the real tiles are those of ``tile`` rows)."""
+    if query_lens.size == 0:
+        return 0
+    row_req, row_pos = _prefill_rows(query_lens, seq_lens)
+    return max(t.num_blocks for t in _tile_keys(row_req, row_pos, block_size, tile))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    """Host arrays of the prefill tiles (see HpuMMAttentionMetadata)."""
+
+    blocks: np.ndarray  # [NT, CB] int64
+    mask: np.ndarray  # [NT, tq, CB * BS] bool
+    query_pos: np.ndarray  # [NT, tq] int64
+    key_pos: np.ndarray  # [NT, CB * BS] int64
+
+
+def prefill_tiles(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    num_tokens: int,
+    num_blocks: int,
+    tile: int = PREFILL_TILE,
+) -> PrefillTiles:
+    """The prefill tiles of requests with these lengths, padded to
+    ``num_tokens`` rows and ``num_blocks`` blocks per tile.
+
+    query_lens, seq_lens: [P] of the prefill requests; block_table: [P, >= max
+    blocks] their block ids.
+    """
+    num_tiles, tq = tile_rows(num_tokens, tile)
+    keys_per_tile = num_blocks * block_size
+    blocks = np.full((num_tiles, num_blocks), PAD_BLOCK, np.int64)
+    mask = np.zeros((num_tiles, tq, keys_per_tile), bool)
+    key_pos = np.zeros((num_tiles, keys_per_tile), np.int64)
+    key_req = np.full((num_tiles, keys_per_tile), -2, np.int64)
+    query_pos = np.full(num_tiles * tq, PAD_QUERY_POS, np.int64)
+    query_req = np.full(num_tiles * tq, -1, np.int64)
+    if query_lens.size:
+        row_req, row_pos = _prefill_rows(query_lens, seq_lens)
+        query_pos[: row_req.size] = row_pos
+        query_req[: row_req.size] = row_req
+        offsets = np.arange(block_size, dtype=np.int64)
+        for t, tk in enumerate(_tile_keys(row_req, row_pos, block_size, tq)):
+            col = 0
+            for r, n in zip(tk.reqs, tk.blocks, strict=True):
+                blocks[t, col : col + n] = block_table[r, :n]
+                span = slice(col * block_size, (col + n) * block_size)
+                key_pos[t, span] = (
+                    np.arange(n)[:, None] * block_size + offsets
+                ).ravel()
+                key_req[t, span] = r
+                col += n
+    q_pos = query_pos.reshape(num_tiles, tq)
+    q_req = query_req.reshape(num_tiles, tq)
+    mask[:] = (q_req[:, :, None] == key_req[:, None, :]) & (
+        key_pos[:, None, :] <= q_pos[:, :, None]
+    )
+    if keys_per_tile:
+        mask[:, :, 0] |= q_req < 0  # a padding row reads key 0 (never NaN)
+    return PrefillTiles(blocks, mask, q_pos, key_pos)
+
+
+# --------------------------------------------------------------------------
+# Decode rows
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FlatDecode:
+    """Host arrays of flat decode (see HpuMMAttentionMetadata)."""
+
+    block_list: np.ndarray  # [NB] int64
+    block_req: np.ndarray  # [NB] int64
+    block_bias: np.ndarray  # [NB, BS] float32
+    block_key_pos: np.ndarray  # [NB, BS] int64
+    block_mapping: np.ndarray  # [B, NB] float32
+
+
+def flat_decode(
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    num_rows: int,
+    num_blocks: int,
+) -> FlatDecode:
+    """The decode rows' real blocks as one list padded to ``num_blocks``.
+
+    seq_lens: [R] context lengths (current token included) of the real decode
+    rows; block_table: [R, >= max blocks]; num_rows: padded decode rows.
+    """
+    per_req = -(-seq_lens // block_size)
+    n = int(per_req.sum())
+    block_list = np.full(num_blocks, PAD_BLOCK, np.int64)
+    block_req = np.full(num_blocks, max(num_rows - 1, 0), np.int64)
+    key_pos = np.zeros((num_blocks, block_size), np.int64)
+    bias = np.full((num_blocks, block_size), MASKED_SCORE, np.float32)
+    mapping = np.zeros((num_rows, num_blocks), np.float32)
+    req = np.repeat(np.arange(seq_lens.size, dtype=np.int64), per_req)
+    idx = _ragged_arange(per_req)
+    block_list[:n] = block_table[req, idx]
+    block_req[:n] = req
+    key_pos[:n] = idx[:, None] * block_size + np.arange(block_size)
+    bias[:n] = np.where(key_pos[:n] < seq_lens[req][:, None], 0.0, MASKED_SCORE)
+    mapping[req, np.arange(n)] = 1.0
+    return FlatDecode(block_list, block_req, bias, key_pos, mapping)
+
+
+def batched_decode_table(
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    num_rows: int,
+    width: int,
+) -> np.ndarray:
+    """[num_rows, width] block table of the decode rows, PAD_BLOCK past ends."""
+    per_req = -(-seq_lens // block_size)
+    table = np.full((num_rows, width), PAD_BLOCK, np.int64)
+    real = int(per_req.max(initial=0))
+    r = seq_lens.size
+    table[:r, :real] = block_table[:r, :real]
+    cols = np.arange(real)[None, :]
+    table[:r, :real][cols >= per_req[:, None]] = PAD_BLOCK
+    return table
+
+
+# --------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------
+
+
+def exact_shape(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    decode_form: DecodeForm = "flat",
+    tile: int = PREFILL_TILE,
+) -> StepShape:
+    """The unpadded StepShape of a batch ordered decodes first."""
+    num_decodes = count_leading_decodes(query_lens)
+    blocks = -(-seq_lens // block_size)
+    dec = blocks[:num_decodes]
+    return StepShape(
+        num_decodes=num_decodes,
+        decode_blocks=int(dec.sum() if decode_form == "flat" else dec.max(initial=0)),
+        num_prefill_tokens=int(query_lens[num_decodes:].sum()),
+        prefill_blocks=prefill_context_blocks(
+            query_lens[num_decodes:], seq_lens[num_decodes:], block_size, tile
+        ),
+    )
 
 
 def build_metadata(
@@ -121,6 +362,8 @@ def build_metadata(
     shape: StepShape,
     device: torch.device,
     buffers: DeviceBuffers | None = None,
+    decode_form: DecodeForm = "flat",
+    tile: int = PREFILL_TILE,
 ) -> HpuMMAttentionMetadata:
     """Build the step's metadata, padded to ``shape``.
 
@@ -131,39 +374,29 @@ def build_metadata(
     buffers: when given, the tensors are views of these reused device buffers.
     """
     num_dec = count_leading_decodes(query_lens)
-    real = exact_shape(query_lens, seq_lens, block_size)
+    real = exact_shape(query_lens, seq_lens, block_size, decode_form, tile)
     check_fits(real, shape)
-    blocks = -(-seq_lens // block_size)
-
-    # Decode rows.
-    dec_table = np.full((shape.num_decodes, shape.decode_blocks), PAD_BLOCK, np.int64)
-    width = real.decode_blocks
-    dec_table[:num_dec, :width] = block_table[:num_dec, :width]
-    cols = np.arange(width)[None, :]
-    dec_table[:num_dec, :width][cols >= blocks[:num_dec, None]] = PAD_BLOCK
+    n_tok = real.num_prefill_tokens
     dec_seq = np.zeros(shape.num_decodes, np.int64)
     dec_seq[:num_dec] = seq_lens[:num_dec]
-
-    # Prefill rows: token -> (request, position).
-    p_q = query_lens[num_dec:]
-    p_seq = seq_lens[num_dec:]
-    p_blocks = blocks[num_dec:]
-    n_tok, n_blk = real.num_prefill_tokens, real.prefill_blocks
-    tok_req = np.full(shape.num_prefill_tokens, PAD_TOKEN_REQ, np.int64)
-    tok_pos = np.zeros(shape.num_prefill_tokens, np.int64)
-    local = np.arange(p_q.size, dtype=np.int64)
-    tok_req[:n_tok] = np.repeat(local, p_q)
-    tok_pos[:n_tok] = np.repeat(p_seq - p_q, p_q) + _ragged_arange(p_q)
-    # Prefill context blocks, request after request.
-    ctx_blocks = np.full(shape.prefill_blocks, PAD_BLOCK, np.int64)
-    ctx_req = np.full(shape.prefill_blocks, PAD_BLOCK_REQ, np.int64)
-    ctx_pos = np.zeros(shape.prefill_blocks, np.int64)
-    blk_req = np.repeat(local, p_blocks)
-    blk_idx = _ragged_arange(p_blocks)
-    ctx_blocks[:n_blk] = block_table[num_dec:][blk_req, blk_idx]
-    ctx_req[:n_blk] = blk_req
-    ctx_pos[:n_blk] = blk_idx * block_size
-
+    rows, width = shape.num_decodes, shape.decode_blocks
+    if decode_form == "flat":
+        flat = flat_decode(seq_lens[:num_dec], block_table, block_size, rows, width)
+        table = np.zeros((rows, 0), np.int64)
+    else:
+        flat = flat_decode(seq_lens[:0], block_table, block_size, 0, 0)
+        table = batched_decode_table(
+            seq_lens[:num_dec], block_table, block_size, rows, width
+        )
+    tiles = prefill_tiles(
+        query_lens[num_dec:],
+        seq_lens[num_dec:],
+        block_table[num_dec:],
+        block_size,
+        shape.num_prefill_tokens,
+        shape.prefill_blocks,
+        tile,
+    )
     # Slots: decode rows, pad, prefill rows, pad.
     slots = np.full(shape.num_tokens, PAD_SLOT, np.int64)
     slots[:num_dec] = slot_mapping[:num_dec]
@@ -178,15 +411,54 @@ def build_metadata(
         num_decodes=shape.num_decodes,
         num_prefill_tokens=shape.num_prefill_tokens,
         num_actual_tokens=int(query_lens.sum()),
+        decode_form=decode_form,
         slot_mapping=t(slots, "slot_mapping"),
-        decode_block_table=t(dec_table, "decode_block_table"),
         decode_seq_lens=t(dec_seq, "decode_seq_lens"),
-        prefill_token_req=t(tok_req, "prefill_token_req"),
-        prefill_token_pos=t(tok_pos, "prefill_token_pos"),
-        prefill_ctx_blocks=t(ctx_blocks, "prefill_ctx_blocks"),
-        prefill_ctx_block_req=t(ctx_req, "prefill_ctx_block_req"),
-        prefill_ctx_block_pos=t(ctx_pos, "prefill_ctx_block_pos"),
+        decode_block_list=t(flat.block_list, "decode_block_list"),
+        decode_block_req=t(flat.block_req, "decode_block_req"),
+        decode_block_bias=t(flat.block_bias, "decode_block_bias"),
+        decode_block_key_pos=t(flat.block_key_pos, "decode_block_key_pos"),
+        decode_block_mapping=t(flat.block_mapping, "decode_block_mapping"),
+        decode_block_table=t(table, "decode_block_table"),
+        prefill_tile_blocks=t(tiles.blocks, "prefill_tile_blocks"),
+        prefill_tile_mask=t(tiles.mask, "prefill_tile_mask"),
+        prefill_tile_query_pos=t(tiles.query_pos, "prefill_tile_query_pos"),
+        prefill_tile_key_pos=t(tiles.key_pos, "prefill_tile_key_pos"),
     )
+
+
+def split_metadata(
+    md: HpuMMAttentionMetadata,
+) -> tuple[HpuMMAttentionMetadata, HpuMMAttentionMetadata]:
+    """A mixed step's metadata as (decode part, prefill part), each describing
+    its own token rows (decode rows, then the prefill rows from row 0)."""
+    n_dec = md.num_decodes
+
+    def empty(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((0, *x.shape[1:]))
+
+    decode = dataclasses.replace(
+        md,
+        num_prefill_tokens=0,
+        slot_mapping=md.slot_mapping[:n_dec],
+        prefill_tile_blocks=empty(md.prefill_tile_blocks),
+        prefill_tile_mask=empty(md.prefill_tile_mask),
+        prefill_tile_query_pos=empty(md.prefill_tile_query_pos),
+        prefill_tile_key_pos=empty(md.prefill_tile_key_pos),
+    )
+    prefill = dataclasses.replace(
+        md,
+        num_decodes=0,
+        slot_mapping=md.slot_mapping[n_dec:],
+        decode_seq_lens=empty(md.decode_seq_lens),
+        decode_block_list=empty(md.decode_block_list),
+        decode_block_req=empty(md.decode_block_req),
+        decode_block_bias=empty(md.decode_block_bias),
+        decode_block_key_pos=empty(md.decode_block_key_pos),
+        decode_block_mapping=md.decode_block_mapping.new_empty((0, 0)),
+        decode_block_table=empty(md.decode_block_table),
+    )
+    return decode, prefill
 
 
 def check_fits(real: StepShape, shape: StepShape) -> None:

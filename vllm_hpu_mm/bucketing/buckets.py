@@ -2,12 +2,17 @@
 
 A step is padded along three axes, each with its own sorted list of sizes:
 
-- ``tokens``: the step's token rows (decode rows + prefill tokens, flat). The
-  model body's graph is keyed by this size alone.
-- ``batch``: requests in the step (rows of logits and of the decode block
-  table). The logits graph is keyed by it.
-- ``blocks``: KV-cache blocks read by attention (decode block-table width, and
-  the prefill requests' context blocks together).
+- ``tokens``: the step's prefill token rows (flat).
+- ``batch``: requests in the step (rows of logits) and decode rows.
+- ``blocks``: KV-cache blocks read by attention (the decode rows' flat block
+  list, or their block-table width; the context blocks of the widest prefill
+  tile).
+
+Attention runs inside the compiled body, so a graph is keyed by the whole step
+shape. A step runs as a decode part ``(batch, blocks)`` and a prefill part
+``(tokens, blocks)`` (a mixed step as two passes): graphs add up over the two
+parts instead of multiplying, and ``step_shapes`` lists every key serving can
+produce, which is what warmup compiles.
 
 Flat layout: a step pads its *total* token count once, not every prompt to the
 longest, so the waste is one bucket's slack per step.
@@ -70,9 +75,74 @@ class BucketSet:
 
     @property
     def num_graphs(self) -> int:
-        """Graphs warmup prepares: one body graph per token size, one logits
-        graph per batch size."""
+        """Axis sizes (token plus batch sizes): the budget unit of the planner.
+        The graphs warmup compiles are ``count_graphs``."""
         return len(self.tokens) + len(self.batch)
+
+
+def _prev(values: Sequence[int], v: int) -> int:
+    """The bucket below v (0 when v is the smallest)."""
+    below = [x for x in values if x < v]
+    return below[-1] if below else 0
+
+
+def _fit_or_top(value: int, values: Sequence[int]) -> int:
+    fit = smallest_fit(value, values)
+    return fit if fit is not None else values[-1]
+
+
+def step_shapes(
+    buckets: BucketSet,
+    limits: Limits,
+    decode_form: str = "flat",
+    prefill_tile: int = 128,
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Every graph key serving can produce: (decode rows, decode blocks) and
+    (prefill tokens, prefill blocks), as the Bucketer pads real steps.
+
+    Decode: a batch bucket B holds more decodes than the bucket below it, each
+    with at least one block and at most ``max_blocks_per_seq``; the flat list
+    then holds between those counts of blocks, the batched table's width is at
+    most ``max_blocks_per_seq``. Prefill: a token bucket T holds more tokens
+    than the bucket below it (and at least 2); its widest tile (``min(tile, T)``
+    rows) reads at least its rows' blocks and, by this enumeration, at most one
+    full-length request plus the tile's own rows. A step above that (several
+    long prefix-cache hits in one tile) takes the block fallback (warned,
+    counted).
+    """
+    bs, per_seq = limits.block_size, limits.max_blocks_per_seq
+    blocks = buckets.blocks
+    decode: list[tuple[int, int]] = []
+    for b in buckets.batch:
+        reqs = _prev(buckets.batch, b) + 1
+        if decode_form == "flat":
+            lo = _fit_or_top(reqs, blocks)
+            hi = _fit_or_top(min(b * per_seq, limits.max_blocks), blocks)
+        else:
+            lo, hi = blocks[0], _fit_or_top(per_seq, blocks)
+        decode += [(b, n) for n in blocks if lo <= n <= hi]
+    prefill: list[tuple[int, int]] = []
+    for t in buckets.tokens:
+        rows = max(_prev(buckets.tokens, t) + 1, 2)
+        if rows > t:
+            continue  # no prefill part lands here (1 token is a decode row)
+        tq = min(prefill_tile, t)
+        lo = _fit_or_top(-(-min(rows, tq) // bs), blocks)
+        hi = _fit_or_top(min(per_seq + -(-tq // bs) + 1, limits.max_blocks), blocks)
+        prefill += [(t, n) for n in blocks if lo <= n <= hi]
+    return decode, prefill
+
+
+def count_graphs(
+    buckets: BucketSet,
+    limits: Limits,
+    decode_form: str = "flat",
+    prefill_tile: int = 128,
+) -> int:
+    """Graphs warmup compiles: every step key plus one logits graph per batch
+    size."""
+    decode, prefill = step_shapes(buckets, limits, decode_form, prefill_tile)
+    return len(decode) + len(prefill) + len(buckets.batch)
 
 
 def exponential(lo: int, hi: int) -> tuple[int, ...]:
@@ -133,10 +203,7 @@ def default_buckets(
             f"bucket strategy {strategy!r} is not one of 'exponential', 'linear' "
             "(use 'explicit' with a file for hand-picked lists)"
         )
-    # Decode steps have one token per request: every batch size is a token size.
-    return BucketSet(
-        tokens=clip(tokens + batch, limits.max_tokens), batch=batch, blocks=blocks
-    )
+    return BucketSet(tokens=clip(tokens, limits.max_tokens), batch=batch, blocks=blocks)
 
 
 def explicit(
@@ -149,7 +216,7 @@ def explicit(
         return tuple(sorted({v for v in values if 0 < v <= hi}))
 
     return BucketSet(
-        tokens=within([*tokens, *batch], limits.max_tokens),
+        tokens=within(tokens, limits.max_tokens),
         batch=within(batch, limits.max_num_seqs),
         blocks=within(blocks, limits.max_blocks),
     )

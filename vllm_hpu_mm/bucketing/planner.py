@@ -6,17 +6,19 @@ sorted distinct sizes: an optimal edge always sits on a sampled size (lowering
 it to the largest size it serves pads no row more), so the candidates are the
 sizes themselves, plus any edge the caller forces.
 
-``plan_buckets`` spends a graph budget (``BucketSet.num_graphs``: one body
-graph per token size, one logits graph per batch size) on the ``tokens`` and
-``batch`` axes. Every batch size is also a token size (``explicit`` merges
-them: a decode-only step's token rows are its requests), so a batch edge costs
-two graphs and a token-only edge one. It tries every split, plans the batch
-axis, then the token axis with the batch edges forced in, and keeps the split
-with the least padding share of token rows plus of logits rows (shares, not
-row counts: prefill tokens outnumber logits rows by far, and counting rows
-would starve the batch axis). ``blocks`` adds no graph on CPU/CUDA: it gets its
-own cap of planned edges, plus edges doubling from the largest planned one up
-to ``max_blocks`` so that a step larger than any sampled pads by less than 2x.
+``plan_buckets`` spends a budget of axis sizes (``BucketSet.num_graphs``: token
+sizes plus batch sizes) on the ``tokens`` (prefill rows) and ``batch`` (requests
+and decode rows) axes. It tries every split, plans the batch axis, then the
+token axis, and keeps the split with the least padding share of token rows
+(decode rows padded to a batch size, prefill rows to a token size) plus of
+logits rows (shares, not row counts: prefill tokens outnumber logits rows by
+far, and counting rows would starve the batch axis). ``blocks`` gets its own
+cap of planned edges, plus edges doubling from the largest planned one up to
+``max_blocks`` so that a step larger than any sampled pads by less than 2x.
+With attention inside the graph, the graphs warmup compiles are the step
+shapes of the set (``buckets.count_graphs``: decode rows x blocks, prefill
+tokens x blocks, within what real steps reach); ``step_graph_budget`` caps them
+by trimming the block edges the sample uses least.
 
 ``simulate_steps`` draws the DESIGN's seeded workloads; ``evaluate`` pads a
 sample with the real ``Bucketer`` and reports padding and fallbacks.
@@ -34,6 +36,7 @@ import numpy as np
 from vllm_hpu_mm.bucketing.buckets import (
     BucketSet,
     Limits,
+    count_graphs,
     explicit,
     fallback_size,
     padding_ratio,
@@ -206,22 +209,9 @@ def _fit(value: int, edges: Sequence[int]) -> int:
     return fit if fit is not None else fallback_size(value, edges)
 
 
-def _token_values(
-    samples: Sequence[StepSizes], batch: Sequence[int], top: int
-) -> list[int]:
-    """Token rows each step asks the token axis for, given the batch edges
-    (a mixed step's decode rows are first padded to a batch bucket), as
-    ``Bucketer.pad`` computes them with ``top`` as the largest token bucket."""
-    out = []
-    for s in samples:
-        if s.prefill_tokens == 0:
-            out.append(s.num_decodes)
-            continue
-        v = _fit(s.num_decodes, batch) + s.prefill_tokens
-        if v > top >= s.tokens:
-            v = top
-        out.append(v)
-    return out
+def _prefill_values(samples: Sequence[StepSizes]) -> list[int]:
+    """Prefill rows each step asks the token axis for."""
+    return [s.prefill_tokens for s in samples if s.prefill_tokens]
 
 
 def plan_buckets_detailed(
@@ -231,6 +221,8 @@ def plan_buckets_detailed(
     *,
     block_budget: int = DEFAULT_BLOCK_BUDGET,
     batch_weight: float = 1.0,
+    step_graph_budget: int | None = None,
+    decode_form: str = "batched",
 ) -> Plan:
     """``plan_buckets`` with the numbers behind its choice.
 
@@ -239,23 +231,25 @@ def plan_buckets_detailed(
     relative to the real rows of each axis).
     batch_weight: weight of the logits axis; 0 minimises padded token rows
     alone, a large value the padded logits rows.
+    step_graph_budget: when given, most graphs warmup may compile
+    (``count_graphs`` with ``decode_form``); block edges are dropped, least
+    used first, until the set fits (raises if even the fewest blocks do not).
     """
     if not samples:
         raise ValueError("plan_buckets needs at least one sampled step")
     seqs, max_tokens = limits.max_num_seqs, limits.max_tokens
-    seqs_in_tokens = seqs <= max_tokens
-    # Fewest graphs: batch {max_num_seqs}, tokens {max_num_seqs, max_tokens}.
-    least = 1 + len({seqs, max_tokens} if seqs_in_tokens else {max_tokens})
+    least = 2  # batch {max_num_seqs}, tokens {max_num_batched_tokens}
     if graph_budget < least:
         raise ValueError(
             f"graph_budget={graph_budget} is below the least that covers the limits: "
-            f"{least} (batch bucket {seqs} + token buckets up to {max_tokens})"
+            f"{least} (batch bucket {seqs} + token bucket {max_tokens})"
         )
     batch_values = [s.num_reqs for s in samples]
-    batch_values += [s.num_decodes for s in samples if s.prefill_tokens]
-    legal_reqs = np.asarray([s.num_reqs for s in samples if 0 < s.num_reqs <= seqs])
-    bat_rows = max(1, int(legal_reqs.sum()))
-    tok_rows = max(1, sum(s.tokens for s in samples if s.tokens <= max_tokens))
+    batch_values += [s.num_decodes for s in samples if s.num_decodes]
+    legal = [s for s in samples if 0 < s.num_reqs <= seqs and s.tokens <= max_tokens]
+    bat_rows = max(1, sum(s.num_reqs for s in legal))
+    tok_rows = max(1, sum(s.tokens for s in legal))
+    prefill_values = _prefill_values(samples)
 
     best: tuple[float, tuple[int, ...], tuple[int, ...], int, int] | None = None
     tried = 0
@@ -263,29 +257,61 @@ def plan_buckets_detailed(
         batch = plan_axis(batch_values, kb, top=seqs)
         if kb > len(batch):
             break  # the batch axis needs no more edges
-        in_tokens = [b for b in batch if b <= max_tokens]
-        token_budget = graph_budget - len(batch)
-        if len(set(in_tokens) | {max_tokens}) > token_budget:
-            break
-        values = _token_values(samples, batch, max_tokens)
-        tokens = plan_axis(values, token_budget, top=max_tokens, fixed=in_tokens)
+        tokens = plan_axis(prefill_values, graph_budget - len(batch), top=max_tokens)
         tried += 1
-        legal = [
-            (v, s) for v, s in zip(values, samples, strict=True) if 0 < v <= max_tokens
-        ]
-        tok_pad = sum(_fit(v, tokens) - s.tokens for v, s in legal)
-        bat_pad = int(sum(_fit(int(r), batch) - int(r) for r in legal_reqs))
+        tok_pad = sum(
+            _fit(s.num_decodes, batch)
+            - s.num_decodes
+            + _fit(s.prefill_tokens, tokens)
+            - s.prefill_tokens
+            for s in legal
+        )
+        bat_pad = sum(_fit(s.num_reqs, batch) - s.num_reqs for s in legal)
         score = tok_pad / tok_rows + batch_weight * bat_pad / bat_rows
         if best is None or score < best[0]:
             best = (score, tokens, batch, tok_pad, bat_pad)
     assert best is not None  # kb = 1 always fits the budget checked above
     _, tokens, batch, tok_pad, bat_pad = best
-    block_values = [s.decode_blocks for s in samples]
+    block_values = [s.decode_blocks for s in samples if s.num_decodes]
     block_values += [s.prefill_blocks for s in samples if s.prefill_tokens]
     blocks = plan_axis(block_values, block_budget, top=limits.max_blocks)
     blocks = tuple(sorted({*blocks, *_doubling_tail(blocks, limits.max_blocks)}))
     buckets = explicit(limits, tokens, batch, blocks)
+    if step_graph_budget is not None:
+        buckets = _fit_step_graphs(
+            buckets, limits, block_values, step_graph_budget, decode_form
+        )
     return Plan(buckets, len(buckets.batch), tok_pad, bat_pad, tried)
+
+
+def _fit_step_graphs(
+    buckets: BucketSet,
+    limits: Limits,
+    block_values: Sequence[int],
+    budget: int,
+    decode_form: str,
+) -> BucketSet:
+    """Drop block edges (never the top one), least used by the sample first,
+    until ``count_graphs`` fits ``budget``."""
+    blocks = list(buckets.blocks)
+    uses = {e: 0 for e in blocks}
+    for v in block_values:
+        fit = smallest_fit(v, blocks)
+        if fit is not None:
+            uses[fit] += 1
+    while True:
+        current = BucketSet(buckets.tokens, buckets.batch, tuple(blocks))
+        graphs = count_graphs(current, limits, decode_form)
+        if graphs <= budget:
+            return current
+        if len(blocks) == 1:
+            raise ValueError(
+                f"step_graph_budget={budget} is below the {graphs} graphs of "
+                f"{len(buckets.tokens)} token sizes x {len(buckets.batch)} batch "
+                "sizes with a single block size; lower graph_budget"
+            )
+        drop = min(blocks[:-1], key=lambda e: (uses[e], e))
+        blocks.remove(drop)
 
 
 def _doubling_tail(edges: Sequence[int], top: int) -> list[int]:
@@ -442,7 +468,10 @@ def simulate_steps(
 
 
 def evaluate(
-    buckets: BucketSet, samples: Iterable[StepSizes], max_pad_ratio: float = 2.0
+    buckets: BucketSet,
+    samples: Iterable[StepSizes],
+    max_pad_ratio: float = 2.0,
+    limits: Limits | None = None,
 ) -> dict[str, Any]:
     """Pad every step with ``Bucketer`` and sum real and padded sizes.
 
@@ -466,6 +495,9 @@ def evaluate(
         real["blocks"] += s.decode_blocks + s.prefill_blocks
         padded["blocks"] += p.decode_blocks + p.prefill_blocks
     out: dict[str, Any] = {"graphs": buckets.num_graphs, "steps": steps}
+    if limits is not None:  # graphs warmup compiles (whole step shapes)
+        out["step_graphs"] = count_graphs(buckets, limits, "batched")
+        out["step_graphs_flat"] = count_graphs(buckets, limits, "flat")
     for axis in real:
         pct = 100.0 * padding_ratio([real[axis]], [padded[axis]])
         out[f"{axis}_padding_pct"] = pct

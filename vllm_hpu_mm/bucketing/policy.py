@@ -1,13 +1,14 @@
 """Choose the padded sizes of one step from a BucketSet (pure Python).
 
 Layout of a step (see ``vllm_hpu_mm.attention.metadata``): decode rows first,
-then the prefill tokens. Rules:
+then the prefill tokens. A step runs as a decode part and a prefill part (a
+mixed step as two passes), each with its own graph key. Rules:
 
-- decode-only step: decode rows = smallest token bucket >= decodes;
-- step with prefill: decode rows = smallest batch bucket >= decodes (0 if none),
-  total rows = smallest token bucket >= decode rows + prefill tokens, and the
-  prefill part takes the rest (its slack is the step's padding);
-- decode block-table width and prefill context blocks: smallest block bucket;
+- decode rows = smallest batch bucket >= decodes (0 if none);
+- decode blocks (flat list length, or block-table width) = smallest block
+  bucket;
+- prefill rows = smallest token bucket >= prefill tokens (0 if none);
+- prefill blocks (context blocks of the widest tile) = smallest block bucket;
 - logits rows: smallest batch bucket >= requests.
 
 A size above every bucket of its axis takes the fallback: padded to a bounded
@@ -31,9 +32,9 @@ class StepSizes:
 
     num_reqs: int
     num_decodes: int
-    decode_blocks: int  # widest decode block table
+    decode_blocks: int  # decode blocks (flat list length, or table width)
     prefill_tokens: int
-    prefill_blocks: int  # context blocks of the prefill requests together
+    prefill_blocks: int  # context blocks of the widest prefill tile
 
     @property
     def tokens(self) -> int:
@@ -89,20 +90,10 @@ class Bucketer:
     def pad(self, s: StepSizes) -> PaddedSizes:
         used: list[str] = []
         batch = self._fit("batch", s.num_reqs, used)
+        decodes = self._fit("batch", s.num_decodes, used)
         dec_blocks = self._fit("blocks", s.decode_blocks, used)
-        if s.prefill_tokens == 0:
-            decodes = self._fit("tokens", s.num_decodes, used)
-            prefill_tokens = prefill_blocks = 0
-        else:
-            decodes = self._fit("batch", s.num_decodes, used)
-            top = self.buckets.tokens[-1]
-            if decodes + s.prefill_tokens > top:
-                # Give back decode padding: keep the total inside the token
-                # buckets, or size a fallback from the real rows alone.
-                decodes = max(s.num_decodes, top - s.prefill_tokens)
-            total = self._fit("tokens", decodes + s.prefill_tokens, used)
-            prefill_tokens = total - decodes
-            prefill_blocks = self._fit("blocks", s.prefill_blocks, used)
+        prefill_tokens = self._fit("tokens", s.prefill_tokens, used)
+        prefill_blocks = self._fit("blocks", s.prefill_blocks, used)
         if used:
             self.fallback_count += 1
         return PaddedSizes(

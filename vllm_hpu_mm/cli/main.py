@@ -91,8 +91,9 @@ def add_buckets_parser(subparsers: Any) -> None:
         help="plan bucket lists from step shapes or a synthetic workload",
         description=(
             "Choose bucket edges that minimise padding on a sample of steps, "
-            "within a graph budget (graphs = token sizes + batch sizes), and "
-            "write them as a bucketing.file for strategy 'explicit'."
+            "within a budget of token sizes + batch sizes (and optionally of "
+            "the step-shape graphs warmup compiles), and write them as a "
+            "bucketing.file for strategy 'explicit'."
         ),
     )
     source = plan.add_mutually_exclusive_group(required=True)
@@ -118,6 +119,15 @@ def add_buckets_parser(subparsers: Any) -> None:
         default=32,
         metavar="K",
         help="most graphs (token sizes + batch sizes) to prepare (default: 32)",
+    )
+    plan.add_argument(
+        "--step-graph-budget",
+        type=_positive,
+        default=None,
+        metavar="G",
+        help="most step-shape graphs warmup may compile (decode rows x blocks "
+        "+ prefill tokens x blocks + logits sizes, batched decode form); block "
+        "sizes the sample uses least are dropped to fit (default: no cap)",
     )
     plan.add_argument(
         "--block-budget",
@@ -326,15 +336,16 @@ def _plan(args: argparse.Namespace) -> int:
             args.graph_budget,
             block_budget=args.block_budget,
             batch_weight=args.batch_weight,
+            step_graph_budget=args.step_graph_budget,
         )
     except (OSError, ValueError) as exc:
         print(f"vllm-hpu-mm: {exc}", file=sys.stderr)
         return 1
     rows = [
-        ("planned", evaluate(plan.buckets, steps)),
+        ("planned", evaluate(plan.buckets, steps, limits=limits)),
         (
             "exponential (default)",
-            evaluate(_engine_default(limits, "exponential"), steps),
+            evaluate(_engine_default(limits, "exponential"), steps, limits=limits),
         ),
     ]
     command = "vllm-hpu-mm " + shlex.join(args.argv)
@@ -373,22 +384,26 @@ def _bucket_yaml(
         f"max_num_batched_tokens={limits.max_num_batched_tokens} "
         f"max_model_len={limits.max_model_len} block_size={limits.block_size}",
         f"# Sample: {num_steps} steps ({about})",
-        f"# Graphs: {buckets.num_graphs} ({len(buckets.tokens)} token sizes + "
-        f"{len(buckets.batch)} batch sizes). Padding on the sample: tokens "
+        f"# Sizes: {buckets.num_graphs} ({len(buckets.tokens)} token sizes + "
+        f"{len(buckets.batch)} batch sizes); warmup compiles "
+        f"{planned['step_graphs']} step-shape graphs (batched decode, CPU/CUDA) "
+        f"or {planned['step_graphs_flat']} (flat decode, HPU). Padding on the "
+        "sample: tokens "
         f"{planned['tokens_padding_pct']:.1f} %, batch "
         f"{planned['batch_padding_pct']:.1f} %, blocks "
         f"{planned['blocks_padding_pct']:.1f} %.",
         "# The largest sizes are the limits, so no step within them takes the "
         "fallback.",
         "",
-        "# Token-row sizes of a step (one body graph each); every decode_batch "
-        "size is one too.",
+        "# Prefill token rows of a step (graphs: x the prefill blocks they reach).",
         f"prefill_tokens: {flow(buckets.tokens)}",
         "",
-        "# Requests per step (one logits graph each).",
+        "# Requests and decode rows per step (one logits graph each; decode "
+        "graphs: x the decode blocks they reach).",
         f"decode_batch: {flow(buckets.batch)}",
         "",
-        "# KV-cache blocks read (decode block-table width; prefill context blocks).",
+        "# KV-cache blocks read (decode: block-table width, or the flat list's "
+        "length on HPU; prefill: blocks of the widest tile).",
         f"blocks: {flow(buckets.blocks)}",
         "",
     ]
@@ -397,13 +412,14 @@ def _bucket_yaml(
 
 def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     head = (
-        "| buckets | graphs | tokens pad % | batch pad % | blocks pad % "
-        "| fallback steps |"
+        "| buckets | sizes | step graphs | tokens pad % | batch pad % "
+        "| blocks pad % | fallback steps |"
     )
-    out = [head, "|---|---:|---:|---:|---:|---:|"]
+    out = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows:
         out.append(
-            f"| {name} | {r['graphs']} | {r['tokens_padding_pct']:.1f} | "
+            f"| {name} | {r['graphs']} | {r.get('step_graphs', '-')} | "
+            f"{r['tokens_padding_pct']:.1f} | "
             f"{r['batch_padding_pct']:.1f} | {r['blocks_padding_pct']:.1f} | "
             f"{r['fallback_steps']} |"
         )
@@ -411,7 +427,7 @@ def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from vllm_hpu_mm.bucketing.buckets import explicit
+    from vllm_hpu_mm.bucketing.buckets import count_graphs, explicit
 
     limits = _limits(args)
     sets = [(s, _engine_default(limits, s)) for s in ("exponential", "linear")]
@@ -432,7 +448,11 @@ def _show(args: argparse.Namespace) -> int:
             )
         )
     for name, b in sets:
-        print(f"{name}: {b.num_graphs} graphs")
+        print(
+            f"{name}: {b.num_graphs} sizes, "
+            f"{count_graphs(b, limits, 'batched')} step-shape graphs "
+            f"({count_graphs(b, limits, 'flat')} with flat decode)"
+        )
         for axis in ("tokens", "batch", "blocks"):
             values = getattr(b, axis)
             print(f"  {axis} ({len(values)}): {_abbreviate(values)}")

@@ -1,22 +1,42 @@
-"""Graph mode: the model body and the logits head, compiled per bucket.
+"""Graph mode: the model compiled per step shape, region by region.
 
-The body is keyed by the step's token rows, the logits head by its batch rows;
-attention runs inside vLLM's opaque attention op with bucketed metadata. Each
-compilation goes through ``counting_backend``, which increments
-``vllm_hpu_mm:graph_compiles_total``: the counter hooks the compiler itself, so
-a shape that was not prepared at warmup shows up there.
+Attention is traced into the compiled code (the platform's
+``opaque_attention_op`` is False), so a graph is keyed by the whole step shape:
+token rows, decode rows and blocks, prefill blocks (see
+``vllm_hpu_mm.bucketing.buckets.step_shapes``). A mixed step runs as a decode
+pass and a prefill pass (``worker.inputs.step_passes``), so the two parts' keys
+add up instead of multiplying.
+
+Regional compilation (as the official Gaudi plugin does): each decoder layer
+(every child of a ``ModuleList`` holding vLLM attention layers) runs through one
+compiled function, and the logits head once per batch size; the embedding and
+the final norm run eagerly around them. One graph per layer shape serves every
+layer: Dynamo inlines the layer modules (their weights are graph inputs), and
+the only per-layer constant it would guard on, the attention layers'
+``layer_name`` (the key vLLM's attention path looks the layer and its KV cache
+up by in the forward context), is replaced by a per-position alias
+(``hpu_mm.region.<k>``) that ``LayerRegion`` points at the running layer's
+modules, in the step's own copy of the forward context's layer table, before
+each call. Each compilation goes through
+``counting_backend``, which increments ``vllm_hpu_mm:graph_compiles_total``: the
+counter hooks the compiler itself, so a shape that was not prepared at warmup
+shows up there.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention.attention import Attention
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.worker.inputs import step_passes
 
 logger = logging.getLogger("vllm.hpu_mm.graphs")
 
@@ -37,25 +57,129 @@ class CompileCounter:
         return lookup_backend(self.inner)(gm, example_inputs)
 
 
+class LayerRegion:
+    """Runs decoder layers through one compiled function shared by all layers.
+
+    Each layer's named sublayers (modules with a ``layer_name`` registered in
+    vLLM's static forward context: attention, cross-attention) get the alias
+    of their position inside the layer; before a layer runs, the aliases in the
+    current forward context's layer table point at that layer's sublayers.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module], compiled: Callable[..., Any]):
+        self.compiled = compiled
+        self.named: dict[int, list[torch.nn.Module]] = {}
+        for layer in layers:
+            subs = [m for m in layer.modules() if isinstance(_name_of(m), str)]
+            for k, sub in enumerate(subs):
+                sub.layer_name = f"{ALIAS}{k}"  # type: ignore[assignment]
+            self.named[id(layer)] = subs
+            layer.forward = self._bind(layer)  # type: ignore[method-assign]
+
+    def _bind(self, layer: torch.nn.Module) -> Callable[..., Any]:
+        original = layer.forward
+        subs = self.named[id(layer)]
+        signature = inspect.signature(original)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            table = _step_layer_table()
+            if table is not None:
+                for k, sub in enumerate(subs):
+                    table[f"{ALIAS}{k}"] = sub
+            bound = signature.bind(*args, **kwargs)
+            _zero_first_residual(bound.arguments)
+            return self.compiled(original, *bound.args, **bound.kwargs)
+
+        return forward
+
+
+def _zero_first_residual(arguments: dict[str, Any]) -> None:
+    """The first layer gets ``residual=None`` where later ones get a tensor,
+    which would make it a graph of its own. A zero residual gives the same
+    values (the fused add-norm adds 0 exactly, and the new residual is the
+    hidden state itself), so every layer shares one graph."""
+    if "residual" in arguments and arguments["residual"] is None:
+        hidden = arguments.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            arguments["residual"] = torch.zeros_like(hidden)
+
+
+ALIAS = "hpu_mm.region."
+
+
+def _name_of(module: torch.nn.Module) -> object:
+    name = module.__dict__.get("layer_name")
+    return name if isinstance(name, str) else None
+
+
+def _call_layer(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+class _StepLayers(dict):  # type: ignore[type-arg]
+    """A forward context's own copy of vLLM's layer table (name -> layer)."""
+
+
+def _step_layer_table() -> dict[str, Any] | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    _own_layer_table()
+    return get_forward_context().no_compile_layers
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of every ModuleList that holds vLLM attention layers (the
+    decoder layer stacks), found by structure rather than by class name."""
+    layers: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and any(
+            isinstance(m, Attention) for m in module.modules()
+        ):
+            layers += [child for child in module if child not in layers]
+    return layers
+
+
 class GraphRunner:
     """Runs the body and the logits head eagerly or compiled (one graph per
-    bucket size; torch.compile with dynamic=False)."""
+    step shape and region; torch.compile with dynamic=False)."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, backend: str) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mode: str,
+        backend: str,
+        regional: bool = True,
+    ) -> None:
         self.model = model
         self.mode = mode
         self.counter = CompileCounter(backend)
+        self.regions = 0
         self._body: Callable[..., torch.Tensor] = self._run_body
         self._logits: Callable[[torch.Tensor], torch.Tensor] = self._run_logits
         if mode == "compile":
             _raise_recompile_limits()
-            self._body = torch.compile(
-                self._run_body, backend=self.counter, dynamic=False
-            )
+            layers = decoder_layers(model) if regional else []
+            if layers:
+                compiled = torch.compile(
+                    _call_layer, backend=self.counter, dynamic=False
+                )
+                self.region = LayerRegion(layers, compiled)
+            self.regions = len(layers)
+            if not layers:  # whole body as one graph
+                self._body = torch.compile(
+                    self._run_body, backend=self.counter, dynamic=False
+                )
             self._logits = torch.compile(
                 self._run_logits, backend=self.counter, dynamic=False
             )
-        logger.info("vllm-hpu-mm graph mode: %s (backend %s)", mode, backend)
+        logger.info(
+            "vllm-hpu-mm graph mode: %s (backend %s, %s)",
+            mode,
+            backend,
+            f"{self.regions} compiled decoder layers" if self.regions else "whole body",
+        )
 
     def _run_body(
         self,
@@ -81,6 +205,28 @@ class GraphRunner:
         dev.mark_step()
         return out
 
+    def run_step(
+        self,
+        attn_metadata: Any,
+        vllm_config: Any,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The body over a step's token rows, one pass per part (a mixed step:
+        decode rows, then prefill rows), each under its own forward context.
+        Returns the hidden states of every token row, in row order."""
+        outs = []
+        for p in step_passes(attn_metadata):
+            ids = None if input_ids is None else input_ids[p.start : p.stop]
+            emb = None if inputs_embeds is None else inputs_embeds[p.start : p.stop]
+            with set_forward_context(
+                p.attn_metadata, vllm_config, num_tokens=p.stop - p.start
+            ):
+                _own_layer_table()
+                outs.append(self.body(ids, positions[p.start : p.stop], emb))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self._logits(hidden_rows)
 
@@ -89,12 +235,24 @@ class GraphRunner:
         return self.counter.count
 
 
+def _own_layer_table() -> None:
+    """Give the current forward context its own copy of the layer table, so
+    the region aliases never enter vLLM's static forward context (whose keys
+    are the model's layers, e.g. for KV-cache specs)."""
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    if not isinstance(ctx.no_compile_layers, _StepLayers):
+        ctx.no_compile_layers = _StepLayers(ctx.no_compile_layers)
+
+
 def _raise_recompile_limits() -> None:
-    # One graph per bucket is intended, not a recompilation storm: lift Dynamo's
-    # default per-function cache limit (8) so every bucket keeps its graph.
+    # One graph per step shape (and region) is intended, not a recompilation
+    # storm: lift Dynamo's default per-function cache limit (8) so every shape
+    # keeps its graph.
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4096)
     dynamo_config.accumulated_recompile_limit = max(
-        dynamo_config.accumulated_recompile_limit, 4096
+        dynamo_config.accumulated_recompile_limit, 65536
     )

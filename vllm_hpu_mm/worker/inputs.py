@@ -4,6 +4,11 @@ Layout (token rows): decode requests first (one row each, padded to the
 bucket's decode rows), then the prefill requests' tokens flattened (padded to
 the bucket's prefill tokens). Padding rows carry token 0 at position 0 and write
 the null block's slot, so they never touch a real KV slot.
+
+A mixed step runs as two passes (``step_passes``): the decode rows, then the
+prefill rows, each with its own metadata and graph key; the hidden states are
+concatenated back into the same token-row layout, so ``logits_rows`` is
+unchanged.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.attention.metadata import (
+    DecodeForm,
     HpuMMAttentionMetadata,
     StepShape,
     build_metadata,
     check_fits,
     exact_shape,
+    split_metadata,
     token_row_of_real_tokens,
 )
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
@@ -98,6 +106,7 @@ def build_step(
     block_size: int,
     device: torch.device,
     buffers: DeviceBuffers | None = None,
+    decode_form: DecodeForm = "flat",
 ) -> StepBatch:
     """Gather, choose the bucket and pad.
 
@@ -106,7 +115,7 @@ def build_step(
     token_ids, positions, slots, seq_lens, block_table = gather_step(
         states, query_lens, block_size
     )
-    exact = exact_shape(query_lens, seq_lens, block_size)
+    exact = exact_shape(query_lens, seq_lens, block_size, decode_form)
     shape, batch_rows = shape_for(exact, len(req_ids))
     check_fits(exact, shape)  # before any padded array is filled
     if batch_rows < len(req_ids):
@@ -119,7 +128,15 @@ def build_step(
     logits_rows = np.zeros(batch_rows, np.int64)
     logits_rows[: len(req_ids)] = rows[np.cumsum(query_lens) - 1]
     md = build_metadata(
-        query_lens, seq_lens, block_table, slots, block_size, shape, device, buffers
+        query_lens,
+        seq_lens,
+        block_table,
+        slots,
+        block_size,
+        shape,
+        device,
+        buffers,
+        decode_form,
     )
 
     def t(a: np.ndarray, name: str) -> torch.Tensor:
@@ -137,4 +154,48 @@ def build_step(
         logits_rows=t(logits_rows, "logits_rows"),
         row_starts=rows[np.cumsum(query_lens) - query_lens],
         attn_metadata=md,
+    )
+
+
+@dataclass(slots=True)
+class StepPass:
+    """One model pass of a step: token rows [start, stop) and their metadata."""
+
+    start: int
+    stop: int
+    attn_metadata: HpuMMAttentionMetadata
+
+
+def step_passes(md: HpuMMAttentionMetadata) -> list[StepPass]:
+    """The passes of a step: one, or (mixed step) decode rows then prefill rows."""
+    n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
+    if not (n_dec and n_pre):
+        return [StepPass(0, n_dec + n_pre, md)]
+    decode, prefill = split_metadata(md)
+    if isinstance(md.cross, CrossAttentionMetadata):
+        decode.cross, prefill.cross = split_cross(md.cross, n_dec)
+    return [StepPass(0, n_dec, decode), StepPass(n_dec, n_dec + n_pre, prefill)]
+
+
+def split_cross(
+    cross: CrossAttentionMetadata, n_dec: int
+) -> tuple[CrossAttentionMetadata, CrossAttentionMetadata]:
+    """Cross-attention inputs of a mixed step's decode and prefill rows."""
+    return (
+        CrossAttentionMetadata(
+            dec_slots=cross.dec_slots,
+            dec_tile_mask=cross.dec_tile_mask,
+            pre_slots=cross.pre_slots[:0],
+            pre_tile_mask=cross.pre_tile_mask[:0, :0],
+            active=cross.active[:n_dec],
+            mlp_scale=cross.mlp_scale[:n_dec],
+        ),
+        CrossAttentionMetadata(
+            dec_slots=cross.dec_slots[:0],
+            dec_tile_mask=cross.dec_tile_mask[:0],
+            pre_slots=cross.pre_slots,
+            pre_tile_mask=cross.pre_tile_mask,
+            active=cross.active[n_dec:],
+            mlp_scale=cross.mlp_scale[n_dec:],
+        ),
     )

@@ -206,6 +206,7 @@ class HpuMMModelRunner:
             self.block_size,
             self.device,
             self.buffers,
+            self.shapes.decode_form,
         )
         hidden, logits = self.forward(batch, states)
         # Sampler rows follow the persistent batch, not the step layout.
@@ -255,10 +256,9 @@ class HpuMMModelRunner:
             input_ids = None
         if self.cross is not None:
             batch.attn_metadata.cross = self.cross.metadata(batch, states)
-        with set_forward_context(
-            batch.attn_metadata, self.vllm_config, num_tokens=batch.shape.num_tokens
-        ):
-            hidden = graphs.body(input_ids, batch.positions, embeds)
+        hidden = graphs.run_step(
+            batch.attn_metadata, self.vllm_config, input_ids, batch.positions, embeds
+        )
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
         return hidden, logits[: batch.num_reqs]
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from vllm.config import VllmConfig
 
+from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
-from vllm_hpu_mm.attention.metadata import StepShape
+from vllm_hpu_mm.attention.metadata import DecodeForm, StepShape
 from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, from_config
 from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
 
@@ -30,11 +31,24 @@ def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
     return from_config(limits, bucketing)
 
 
+def decode_form_for(kind: str) -> DecodeForm:
+    """Flat paged decode on Gaudi (the official plugin's form); elsewhere the
+    batched block table, which measured faster on the CPU (see the README's
+    attention section) and uses the device's SDPA."""
+    return "flat" if kind == "hpu" else "batched"
+
+
 class ShapePolicy:
     """Pads each step to its bucket and counts real and padded tokens."""
 
-    def __init__(self, buckets: BucketSet | None, max_pad_ratio: float = 2.0) -> None:
+    def __init__(
+        self,
+        buckets: BucketSet | None,
+        max_pad_ratio: float = 2.0,
+        decode_form: DecodeForm | None = None,
+    ) -> None:
         self.buckets = buckets
+        self.decode_form: DecodeForm = decode_form or decode_form_for(dev.device_kind())
         self.bucketer = (
             Bucketer(buckets, max_pad_ratio) if buckets is not None else None
         )

@@ -1,10 +1,12 @@
-"""Warmup: run every bucket once before the server reports ready.
+"""Warmup: run every step shape once before the server reports ready.
 
-Each token bucket runs the model body once (a step of padding rows only: they
-write the null block and read key 0, so the KV cache of real requests is never
-touched) and each batch bucket runs the logits head once. In graph mode that is
-when every graph is compiled; afterwards the compile counter's phase becomes
-"serving", and any compilation it counts is a shape warmup missed.
+``step_shapes`` lists every graph key serving can produce from the bucket set
+(decode parts and prefill parts); each runs the model body once (a step of
+padding rows only: they write the null block and read key 0, so the KV cache
+of real requests is never touched), and each batch bucket runs the logits head
+once. In graph mode that is when every graph is compiled; afterwards the
+compile counter's phase becomes "serving", and any compilation it counts is a
+shape warmup missed.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from tqdm import tqdm
-from vllm.forward_context import set_forward_context
 
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
+from vllm_hpu_mm.bucketing.buckets import step_shapes
 from vllm_hpu_mm.worker.multimodal import warm_up_encoder
+from vllm_hpu_mm.worker.shapes import engine_limits
 
 if TYPE_CHECKING:
     from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
@@ -28,11 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.hpu_mm.warmup")
 
 
-def _padding_only_step(runner: HpuMMModelRunner, num_tokens: int) -> None:
+def _padding_only_step(runner: HpuMMModelRunner, shape: StepShape) -> None:
     empty = np.zeros(0, np.int64)
-    shape = StepShape(
-        num_decodes=0, decode_blocks=0, num_prefill_tokens=num_tokens, prefill_blocks=1
-    )
+    num_tokens = shape.num_tokens
     md = build_metadata(
         empty,
         empty,
@@ -42,6 +43,7 @@ def _padding_only_step(runner: HpuMMModelRunner, num_tokens: int) -> None:
         shape,
         runner.device,
         runner.buffers,
+        runner.shapes.decode_form,
     )
     # Distinct buffers, as in serving: Dynamo guards on aliasing, so one
     # tensor passed twice would compile a graph that serving never reuses.
@@ -52,11 +54,13 @@ def _padding_only_step(runner: HpuMMModelRunner, num_tokens: int) -> None:
     embeds = None
     if runner.mm is not None:  # multimodal models run on merged embeddings
         embeds = runner.mm.model.embed_input_ids(input_ids)
-    with set_forward_context(md, runner.vllm_config, num_tokens=num_tokens):
-        if embeds is None:
-            runner.graphs.body(input_ids, positions)
-        else:
-            runner.graphs.body(None, positions, embeds)
+    runner.graphs.run_step(
+        md,
+        runner.vllm_config,
+        None if embeds is not None else input_ids,
+        positions,
+        embeds,
+    )
 
 
 @torch.inference_mode()
@@ -78,17 +82,20 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         return
     hidden_size = runner.model_config.get_hidden_size()
     dtype: torch.dtype = runner.model_config.dtype  # type: ignore[assignment]
-    work = [("tokens", n) for n in buckets.tokens] + [
-        ("batch", n) for n in buckets.batch
-    ]
+    decode, prefill = step_shapes(
+        buckets, engine_limits(runner.vllm_config), runner.shapes.decode_form
+    )
+    work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
+    work += [StepShape(0, 0, t, n) for t, n in prefill]
+    work += list(buckets.batch)
     start = time.perf_counter()
-    for axis, n in tqdm(
-        work, desc="vllm-hpu-mm warmup", unit="graph", disable=not cfg.progress_bar
+    for item in tqdm(
+        work, desc="vllm-hpu-mm warmup", unit="shape", disable=not cfg.progress_bar
     ):
-        if axis == "tokens":
-            _padding_only_step(runner, n)
+        if isinstance(item, StepShape):
+            _padding_only_step(runner, item)
         else:
-            hidden = torch.zeros(n, hidden_size, dtype=dtype, device=runner.device)
+            hidden = torch.zeros(item, hidden_size, dtype=dtype, device=runner.device)
             graphs.logits(hidden)
     encoder_shapes = 0
     if runner.mm is not None:
@@ -98,16 +105,19 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     graphs.counter.phase = "serving"
     seconds = time.perf_counter() - start
     metrics.WARMUP_SECONDS.set(seconds)
-    decode = len(buckets.batch)
-    prefill = len([t for t in buckets.tokens if t not in buckets.batch])
     logger.info(
-        "Warmup finished in %.1f s: %d prefill + %d decode graphs "
-        "(%d body sizes, %d logits sizes, %d encoder sizes, %d compilations)",
+        "Warmup finished in %.1f s: %d step shapes (%d decode + %d prefill, "
+        "%s decode), %d logits sizes, %d encoder sizes; %d compilations "
+        "(%s)",
         seconds,
-        prefill,
-        decode,
-        len(buckets.tokens),
+        len(decode) + len(prefill),
+        len(decode),
+        len(prefill),
+        runner.shapes.decode_form,
         len(buckets.batch),
         encoder_shapes,
         graphs.compiles,
+        f"{graphs.regions} decoder layers compiled regionally"
+        if graphs.regions
+        else "whole body",
     )

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.interfaces import supports_multimodal
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec

@@ -75,14 +75,24 @@ def test_limits_from_hf_config() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "words"),
-    [({"min_p": 0.1}, "min_p=0.1"), ({"logit_bias": {5: 3.0}}, "logit_bias")],
+    "kwargs",
+    [
+        {"min_p": 0.1},
+        {"logit_bias": {5: 3.0}},
+        {"min_tokens": 4},
+        {"prompt_logprobs": 2},
+    ],
 )
-def test_unsupported_sampling_is_a_validation_error(
-    kwargs: dict[str, object], words: str
-) -> None:
-    with pytest.raises(RequestRejected, match=words):
-        validate_sampling_params(SamplingParams(**kwargs))  # type: ignore[arg-type]
+def test_every_sampling_option_passes_validation(kwargs: dict[str, object]) -> None:
+    # Served by the persistent batch and vLLM's logits processors.
+    validate_sampling_params(SamplingParams(**kwargs))  # type: ignore[arg-type]
+
+
+def test_pooling_is_a_validation_error() -> None:
+    from vllm.pooling_params import PoolingParams
+
+    with pytest.raises(RequestRejected, match="generation requests only"):
+        validate_sampling_params(PoolingParams())
 
 
 def connector() -> object:

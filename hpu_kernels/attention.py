@@ -140,6 +140,7 @@ def prefill_attention(
         keys.to(query.dtype),
         values.to(query.dtype),
         attn_mask=mask.unsqueeze(1),  # [NT, 1, tq, K]
+        is_causal=False,
         scale=scale,
         enable_gqa=num_heads != keys.shape[1],
     )
@@ -234,6 +235,7 @@ def batched_decode_attention(
         keys.to(query.dtype),
         values.to(query.dtype),
         attn_mask=mask.view(batch, 1, 1, num_keys),
+        is_causal=False,
         scale=scale,
         enable_gqa=query.shape[1] != keys.shape[1],
     )

@@ -397,7 +397,8 @@ def test_prefill_takes_the_sdpa_callable() -> None:
     """The SDPA kernel is a parameter (a device's fused kernel plugs in)."""
     calls = []
 
-    def sdpa(q, k, v, *, attn_mask, scale, enable_gqa):  # type: ignore[no-untyped-def]
+    def sdpa(q, k, v, *, attn_mask, is_causal, scale, enable_gqa):  # type: ignore[no-untyped-def]
+        assert is_causal is False  # the mask carries causality
         calls.append((tuple(q.shape), tuple(attn_mask.shape), enable_gqa))
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa

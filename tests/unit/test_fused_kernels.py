@@ -167,6 +167,34 @@ def test_device_picks_torch_sdpa_elsewhere() -> None:
     assert device.rope_kernel() is None
 
 
+def test_attention_runs_on_the_device_sdpa(habana: FakeHabana) -> None:
+    # The backend takes its kernel from the device module: FusedSDPA on Gaudi, and
+    # the prefill kernel's call (mask, scale, grouped K/V) goes through it.
+    from hpu_kernels.attention import prefill_attention
+    from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
+
+    impl = HpuMMAttentionImpl(num_heads=4, head_size=8, scale=0.35, num_kv_heads=2)
+    g = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(2, 3, 4, 2, 8, generator=g)  # [2, blocks, BS, Hkv, D]
+    query = torch.randn(5, 4, 8, generator=g)  # 5 rows, one tile
+    tile_blocks = torch.tensor([[1, 2]])
+    key_pos = torch.arange(8)[None, :]  # [1, K]
+    query_pos = torch.arange(3, 8)[None, :]  # [1, 5]: rows at positions 3..7
+    mask = key_pos[:, None, :] <= query_pos[:, :, None]  # [1, 5, K]
+    args = (query, kv_cache, tile_blocks, mask, query_pos, key_pos, 0.35)
+    calls = FakeFusedSDPA.calls
+    fused = prefill_attention(*args, sdpa=impl.sdpa)
+    assert FakeFusedSDPA.calls == calls + 1
+    torch.testing.assert_close(fused, prefill_attention(*args, sdpa=sdpa_native))
+
+
+def test_attention_runs_on_torch_sdpa_elsewhere() -> None:
+    from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
+
+    impl = HpuMMAttentionImpl(num_heads=4, head_size=8, scale=0.35, num_kv_heads=2)
+    assert impl.sdpa is sdpa_native
+
+
 # ---- RMSNorm ------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ from hpu_kernels.attention import (
     prefill_attention,
     write_kv,
 )
+from vllm_hpu_mm import device
 from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     build_metadata,
@@ -126,8 +127,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        # The SDPA kernel; a device's fused one (FusedSDPA on Gaudi) plugs in here.
-        self.sdpa: SdpaFn = torch.nn.functional.scaled_dot_product_attention
+        # The SDPA kernel of the device: FusedSDPA on Gaudi, PyTorch's elsewhere.
+        self.sdpa: SdpaFn = device.sdpa_kernel()
 
     def forward(
         self,

@@ -13,6 +13,7 @@ unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -180,21 +181,20 @@ def step_passes(md: HpuMMAttentionMetadata) -> list[StepPass]:
 def split_cross(
     cross: CrossAttentionMetadata, n_dec: int
 ) -> tuple[CrossAttentionMetadata, CrossAttentionMetadata]:
-    """Cross-attention inputs of a mixed step's decode and prefill rows."""
+    """Cross-attention inputs of a mixed step's decode and prefill rows (every
+    other field, such as the real rows per tile, carried over unchanged)."""
     return (
-        CrossAttentionMetadata(
-            dec_slots=cross.dec_slots,
-            dec_tile_mask=cross.dec_tile_mask,
+        dataclasses.replace(
+            cross,
             pre_slots=cross.pre_slots[:0],
             pre_tile_mask=cross.pre_tile_mask[:0, :0],
             active=cross.active[:n_dec],
             mlp_scale=cross.mlp_scale[:n_dec],
         ),
-        CrossAttentionMetadata(
+        dataclasses.replace(
+            cross,
             dec_slots=cross.dec_slots[:0],
             dec_tile_mask=cross.dec_tile_mask[:0],
-            pre_slots=cross.pre_slots,
-            pre_tile_mask=cross.pre_tile_mask,
             active=cross.active[n_dec:],
             mlp_scale=cross.mlp_scale[n_dec:],
         ),

@@ -226,8 +226,11 @@ BAD_REQUESTS = {
     "top_p": ({"messages": _messages([OK_URL]), "top_p": 2}, "top_p"),
     "n": ({"messages": _messages([OK_URL]), "n": 0}, "n must be"),
     "max_tokens": ({"messages": _messages([OK_URL]), "max_tokens": 10**5}, "max_"),
-    "min_p": ({"messages": _messages([OK_URL]), "min_p": 0.1}, "min_p"),
-    "logit_bias": ({"messages": _messages([OK_URL]), "logit_bias": {"5": 3}}, "logit"),
+    "min_p": ({"messages": _messages([OK_URL]), "min_p": 1.5}, "min_p"),
+    "logit_bias": (
+        {"messages": _messages([OK_URL]), "logit_bias": {"5": 3, "99999": 1}},
+        "99999",
+    ),
 }
 
 

@@ -105,8 +105,10 @@ def hf_greedy_text(model_dir: str, prompt: str, max_new_tokens: int) -> str:
 # this many bfloat16 spacings of the top logit. In bfloat16 two correct
 # implementations (different summation orders, fused or unfused kernels) can
 # flip such a step; after it the two sequences condition on different tokens,
-# so the comparison of that sequence stops there.
-BF16_TIE_SPACINGS = 2.0
+# so the comparison of that sequence stops there. 3 spacings: with the tiled
+# prefill kernels one LLaVA serve case split from HF at exactly 3.0 spacings (its
+# float32 run is token-identical), 2 had sufficed for the earlier kernels.
+BF16_TIE_SPACINGS = 3.0
 _BF16_MANTISSA_BITS = 7  # bits after the leading 1 of a bfloat16 number
 _BF16_MIN_NORMAL_EXP = -126  # below 2**-126 bfloat16 is subnormal: fixed spacing
 

@@ -2,7 +2,7 @@
 transformers in bfloat16 (the same checkpoint loaded with ``dtype=bfloat16``).
 
 Greedy outputs must equal HF's token for token except at a near-tie: a step
-where HF's top-2 logit margin is at most ``BF16_TIE_SPACINGS`` (2) bfloat16
+where HF's top-2 logit margin is at most ``BF16_TIE_SPACINGS`` (3) bfloat16
 spacings of the top logit (``tests.hf_reference.compare_greedy_bf16``); there
 the plugin must pick one of the tied tokens, and a sequence that parts from HF
 there is not compared further. The module prints how many cases needed it.

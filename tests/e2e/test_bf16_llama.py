@@ -21,16 +21,11 @@ import torch
 
 from tests.hf_reference import Bf16Tally, compare_greedy_bf16, hf_greedy_steps
 from tests.mm_reference import engine_lifetime, greedy_generate
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 12
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 def _serving_compiles() -> float:

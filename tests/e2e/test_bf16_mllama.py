@@ -20,16 +20,11 @@ import torch
 from tests.hf_reference import Bf16Tally, compare_greedy_bf16
 from tests.mllama_reference import hf_mllama_greedy_steps, tiny_mllama_dir
 from tests.mm_reference import engine_lifetime, greedy_generate, make_image
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 8
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 def _serving_compiles() -> float:

@@ -15,16 +15,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.hf_reference import hf_greedy
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 12
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,11 @@ from tests.mm_reference import (
     named_image,
     tiny_llava_dir,
 )
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 10
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

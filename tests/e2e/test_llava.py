@@ -41,6 +41,7 @@ from tests.mm_reference import (
     named_image,
     tiny_llava_dir,
 )
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
@@ -77,12 +78,6 @@ def _fresh(variant: int) -> Any:
     kinds = ("gradient", "checkerboard", "stripes", "solid")
     sizes = ((40, 24), (24, 40), (32, 32), (64, 48))
     return make_image(kinds[variant % 4], sizes[variant % 4], variant=10 + variant)
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

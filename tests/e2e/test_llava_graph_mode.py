@@ -8,16 +8,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.mm_reference import hf_llava_greedy, llava_prompt, make_image, tiny_llava_dir
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 8
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ from tests.mm_reference import (
     png_data_url,
     tiny_llava_dir,
 )
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
 
@@ -62,12 +63,6 @@ ENCODER_RUNS = "vllm_hpu_mm:encoder_runs_total"
 MM_ITEMS = "vllm_hpu_mm:mm_items_total"
 WARMUP_COMPILES = ("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"})
 OTHER_QUESTION = "What colour is the top left corner of the picture?"
-
-
-def _counter(name: str, labels: dict[str, str] | None = None) -> float:
-    from vllm_hpu_mm.metrics_reader import read_metric
-
-    return read_metric(name, labels)
 
 
 def _counter_or_zero(args: tuple[str, dict[str, str]]) -> float:

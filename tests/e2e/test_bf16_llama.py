@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.graph_config import compiled_with_buckets
 from tests.hf_reference import Bf16Tally, compare_greedy_bf16, hf_greedy_steps
 from tests.mm_reference import engine_lifetime, greedy_generate
 from vllm_hpu_mm.metrics_reader import read_metric as _counter
@@ -43,9 +44,10 @@ def tally(request: pytest.FixtureRequest) -> Iterator[Bf16Tally]:
 def llm(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm import LLM
 
-    buckets = tmp_path_factory.mktemp("buckets") / "llama.yaml"
-    buckets.write_text(
-        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8, 16, 32]\n"
+    hpu_mm = compiled_with_buckets(
+        tmp_path_factory,
+        "llama",
+        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8, 16, 32]\n",
     )
     yield from engine_lifetime(
         LLM(
@@ -56,13 +58,7 @@ def llm(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             max_num_batched_tokens=64,
             enable_chunked_prefill=True,
             seed=0,
-            additional_config={
-                "hpu_mm": {
-                    "graph_mode": "compile",
-                    "bucketing": {"strategy": "explicit", "file": str(buckets)},
-                    "warmup": {"progress_bar": False},
-                }
-            },
+            additional_config=hpu_mm,
         )
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.graph_config import compiled_with_buckets
 from tests.hf_reference import Bf16Tally, compare_greedy_bf16
 from tests.mllama_reference import hf_mllama_greedy_steps, tiny_mllama_dir
 from tests.mm_reference import engine_lifetime, greedy_generate, make_image
@@ -42,9 +43,10 @@ def tally(request: pytest.FixtureRequest) -> Iterator[Bf16Tally]:
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm import LLM
 
-    buckets = tmp_path_factory.mktemp("buckets") / "mllama.yaml"
-    buckets.write_text(
-        "prefill_tokens: [16, 32]\ndecode_batch: [1, 2]\nblocks: [4, 8]\n"
+    hpu_mm = compiled_with_buckets(
+        tmp_path_factory,
+        "mllama",
+        "prefill_tokens: [16, 32]\ndecode_batch: [1, 2]\nblocks: [4, 8]\n",
     )
     yield from engine_lifetime(
         LLM(
@@ -55,13 +57,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             max_num_batched_tokens=32,
             seed=0,
             limit_mm_per_prompt={"image": 2},
-            additional_config={
-                "hpu_mm": {
-                    "graph_mode": "compile",
-                    "bucketing": {"strategy": "explicit", "file": str(buckets)},
-                    "warmup": {"progress_bar": False},
-                }
-            },
+            additional_config=hpu_mm,
         )
     )
 

@@ -11,11 +11,11 @@ decoding requests.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.graph_config import compiled_with_buckets
 from tests.mm_reference import (
     engine_lifetime,
     greedy_generate,
@@ -40,9 +40,10 @@ def model_dir() -> str:
 def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm import LLM
 
-    buckets: Path = tmp_path_factory.mktemp("buckets") / "llava.yaml"
-    buckets.write_text(
-        "prefill_tokens: [8, 32]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n"
+    hpu_mm = compiled_with_buckets(
+        tmp_path_factory,
+        "llava",
+        "prefill_tokens: [8, 32]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n",
     )
     engine = LLM(
         model=model_dir,
@@ -53,13 +54,7 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
         enable_chunked_prefill=True,
         seed=0,
         limit_mm_per_prompt={"image": 2},
-        additional_config={
-            "hpu_mm": {
-                "graph_mode": "compile",
-                "bucketing": {"strategy": "explicit", "file": str(buckets)},
-                "warmup": {"progress_bar": False},
-            }
-        },
+        additional_config=hpu_mm,
     )
     yield from engine_lifetime(engine)
 

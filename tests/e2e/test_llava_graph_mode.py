@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.graph_config import compiled_with_buckets
 from tests.mm_reference import hf_llava_greedy, llava_prompt, make_image, tiny_llava_dir
 from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
@@ -24,9 +25,10 @@ def llava_dir() -> str:
 def llm(llava_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from vllm import LLM
 
-    buckets = tmp_path_factory.mktemp("buckets") / "llava.yaml"
-    buckets.write_text(
-        "prefill_tokens: [32, 64]\ndecode_batch: [1, 4]\nblocks: [4, 16]\n"
+    hpu_mm = compiled_with_buckets(
+        tmp_path_factory,
+        "llava",
+        "prefill_tokens: [32, 64]\ndecode_batch: [1, 4]\nblocks: [4, 16]\n",
     )
     engine = LLM(
         model=llava_dir,
@@ -36,13 +38,7 @@ def llm(llava_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ob
         max_num_batched_tokens=32,
         seed=0,
         limit_mm_per_prompt={"image": 2},
-        additional_config={
-            "hpu_mm": {
-                "graph_mode": "compile",
-                "bucketing": {"strategy": "explicit", "file": str(buckets)},
-                "warmup": {"progress_bar": False},
-            }
-        },
+        additional_config=hpu_mm,
     )
     yield engine
     del engine

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_llm_generate import _shutdown
+from tests.graph_config import compiled_with_buckets
 
 pytestmark = pytest.mark.e2e
 
@@ -48,9 +49,10 @@ PROMPTS = ["The quick brown fox", "Hi", "Memory is divided into blocks", "a b c"
 def llm(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm import LLM
 
-    buckets = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
-    buckets.write_text(
-        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4, 8]\nblocks: [4, 16, 32]\n"
+    hpu_mm = compiled_with_buckets(
+        tmp_path_factory,
+        "tiny",
+        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4, 8]\nblocks: [4, 16, 32]\n",
     )
     engine = LLM(
         model=tiny_llama_dir,
@@ -65,13 +67,7 @@ def llm(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "backend": "xgrammar",
             "disable_any_whitespace": True,
         },
-        additional_config={
-            "hpu_mm": {
-                "graph_mode": "compile",
-                "bucketing": {"strategy": "explicit", "file": str(buckets)},
-                "warmup": {"progress_bar": False},
-            }
-        },
+        additional_config=hpu_mm,
     )
     try:
         yield engine

@@ -1,0 +1,23 @@
+"""The plugin settings the graph-mode e2e tests start their engines with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def compiled_with_buckets(
+    tmp_path_factory: pytest.TempPathFactory, name: str, buckets_yaml: str
+) -> dict[str, Any]:
+    """``additional_config`` for graph mode over the explicit buckets
+    ``buckets_yaml`` (written to a bucket file named ``name``), no progress bar."""
+    path = tmp_path_factory.mktemp("buckets") / f"{name}.yaml"
+    path.write_text(buckets_yaml)
+    return {
+        "hpu_mm": {
+            "graph_mode": "compile",
+            "bucketing": {"strategy": "explicit", "file": str(path)},
+            "warmup": {"progress_bar": False},
+        }
+    }

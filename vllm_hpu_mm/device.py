@@ -224,6 +224,21 @@ def synchronize() -> None:
         torch.hpu.synchronize()  # type: ignore[attr-defined]
 
 
+def host_copy_event() -> Any | None:
+    """An event recorded on the current stream, after a non-blocking
+    device-to-host copy was issued; ``event.synchronize()`` waits for it.
+    None on the CPU, where a copy is done when it returns."""
+    kind = device_kind()
+    if kind == "cuda":
+        event = torch.cuda.Event()
+    elif kind == "hpu":
+        event = torch.hpu.Event()  # type: ignore[attr-defined]
+    else:
+        return None
+    event.record()
+    return event
+
+
 def mark_step() -> None:
     """End an HPU lazy-mode graph segment; a no-op elsewhere."""
     if device_kind() == "hpu":

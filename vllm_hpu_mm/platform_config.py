@@ -110,19 +110,16 @@ def _set_block_size(vllm_config: VllmConfig, device_type: str) -> None:
 
 
 def _set_scheduling(vllm_config: VllmConfig) -> None:
-    # The runner samples each step before the next is scheduled (its sampled
-    # tokens go back to the host); it does not overlap steps yet. vLLM turns
-    # async scheduling on by default before the platform sees the config, so an
-    # explicit --async-scheduling cannot be told from the default here: turn it
-    # off and say so.
+    # Async scheduling (vLLM's default where the executor allows it) is served:
+    # the runner keeps sampled tokens on the device for the next step's inputs
+    # and hands vLLM an output it waits for only when it reads it
+    # (worker/async_output.py). Say which one this engine runs.
     sc = vllm_config.scheduler_config
-    if sc.async_scheduling:
-        logger.info(
-            "vllm-hpu-mm: async scheduling (--async-scheduling, on by default in "
-            "vLLM) is not supported by the plugin's runner yet; steps run "
-            "synchronously"
-        )
-    sc.async_scheduling = False
+    logger.info(
+        "vllm-hpu-mm: %s scheduling (--%sasync-scheduling)",
+        "async" if sc.async_scheduling else "synchronous",
+        "" if sc.async_scheduling else "no-",
+    )
 
 
 def _set_compilation(vllm_config: VllmConfig) -> None:

@@ -101,6 +101,22 @@ class FakeGaudiHost:
         return FakeTorchHpu(self, name)
 
 
+class FakeHpuEvent:
+    """An event of ``torch.hpu`` (``record()`` on the current stream,
+    ``synchronize()`` waits for it): both are device calls, so both take the
+    process's card as any other device query does. The fake's work is done
+    when it returns, so there is nothing to wait for."""
+
+    def __init__(self, hpu: FakeTorchHpu) -> None:
+        self.hpu = hpu
+
+    def record(self) -> None:
+        self.hpu._touch("event.record")
+
+    def synchronize(self) -> None:
+        self.hpu._touch("event.synchronize")
+
+
 class FakeTorchHpu:
     """``torch.hpu`` of one process: the first device query takes a card."""
 
@@ -143,6 +159,11 @@ class FakeTorchHpu:
 
     def synchronize(self) -> None:
         self._touch("synchronize")
+
+    def Event(self, enable_timing: bool = False) -> FakeHpuEvent:
+        """``torch.hpu.Event``: record() on the current stream, synchronize()
+        waits for it; both are device calls."""
+        return FakeHpuEvent(self)
 
     def manual_seed_all(self, seed: int) -> None:
         self._touch("manual_seed_all")

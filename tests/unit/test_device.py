@@ -238,10 +238,18 @@ def test_hpu_helpers_go_to_torch_hpu(habana: FakeHabana) -> None:
     assert habana.hpu.card == 0  # taken by the first touch
 
 
+def test_host_copy_event_on_hpu_is_recorded(habana: FakeHabana) -> None:
+    event = device.host_copy_event()
+    assert event is not None
+    event.synchronize()
+    assert habana.hpu.calls == ["event.record", "event.synchronize"]
+
+
 def test_cpu_helpers_leave_torch_hpu_alone(torch_hpu: FakeTorchHpu) -> None:
     device.synchronize()
     device.manual_seed_all(7)
     device.empty_cache()
+    assert device.host_copy_event() is None  # a CPU copy is done when it returns
     assert device.memory_info()[1] > 0
     assert torch_hpu.calls == []
 

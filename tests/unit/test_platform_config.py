@@ -69,7 +69,7 @@ def test_update_sets_defaults(device_type: str, block: int) -> None:
     cfg = make_config()
     update_vllm_config(cfg, device_type)  # type: ignore[arg-type]
     assert cfg.cache_config.block_size == block
-    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.scheduler_config.async_scheduling is True  # vLLM's choice stands
     assert cfg.parallel_config.worker_cls == WORKER_CLS
     cc = cfg.compilation_config
     assert cc.mode == CompilationMode.NONE
@@ -125,10 +125,16 @@ def test_user_specified_but_none_gets_default() -> None:
     assert cfg.cache_config.block_size == 128
 
 
-def test_scheduling_is_synchronous() -> None:
+@pytest.mark.parametrize("chosen", [True, False])
+def test_scheduling_keeps_vllms_choice(
+    chosen: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = make_config()
-    _set_scheduling(cfg)  # type: ignore[arg-type]
-    assert cfg.scheduler_config.async_scheduling is False
+    cfg.scheduler_config.async_scheduling = chosen
+    with caplog.at_level("INFO", logger="vllm.hpu_mm"):
+        _set_scheduling(cfg)  # type: ignore[arg-type]
+    assert cfg.scheduler_config.async_scheduling is chosen
+    assert ("async scheduling" if chosen else "synchronous scheduling") in caplog.text
 
 
 # ---- rejected features ----------------------------------------------------------

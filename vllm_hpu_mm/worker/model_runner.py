@@ -31,6 +31,7 @@ from vllm.model_executor.models.interfaces import supports_multimodal
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
     LogprobsTensors,
     ModelRunnerOutput,
 )
@@ -38,6 +39,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
 from vllm_hpu_mm.worker.graphs import GraphRunner
@@ -87,6 +89,10 @@ class HpuMMModelRunner:
             vocab_size, str(self.model_config.logprobs_mode)
         )
         self._pending: _PendingSample | None = None
+        # The last step's sampled tokens while they travel to the host
+        # (``async_output``); read by the next step's inputs on the device.
+        self._last_tokens: PendingTokens | None = None
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         bucketing = plugin_config.bucketing
         self.shapes = ShapePolicy(
             bucket_set(engine_limits(vllm_config), bucketing),
@@ -193,6 +199,7 @@ class HpuMMModelRunner:
         scheduled = scheduler_output.num_scheduled_tokens
         self.input_batch.sync([self.requests[r] for r in scheduled])
         if scheduler_output.total_num_scheduled_tokens == 0:
+            self._resolve_last_tokens()
             return EMPTY_MODEL_RUNNER_OUTPUT
         req_ids = order_requests(scheduled)
         states = [self.requests[r] for r in req_ids]
@@ -207,7 +214,20 @@ class HpuMMModelRunner:
             self.buffers,
             self.shapes.decode_form,
         )
+        if self._last_tokens is not None:
+            # Tokens sampled last step enter as placeholders; their ids come
+            # from the device tensor the sampler wrote.
+            self._last_tokens.scatter_into(
+                batch.input_ids,
+                batch.req_ids,
+                batch.row_starts,
+                batch.seq_lens - batch.query_lens,
+                batch.query_lens,
+            )
         hidden, logits = self.forward(batch, states)
+        # The forward is issued: now wait for last step's tokens, which the
+        # sampler's penalties and vLLM's output need on the host.
+        self._resolve_last_tokens()
         # Sampler rows follow the persistent batch, not the step layout.
         order = self.input_batch.order_of(batch.req_ids)
         if order != list(range(len(order))):
@@ -217,6 +237,11 @@ class HpuMMModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scheduled)
         self._pending = _PendingSample(scheduler_output, logits, prompt_logprobs)
         return None
+
+    def _resolve_last_tokens(self) -> None:
+        last, self._last_tokens = self._last_tokens, None
+        if last is not None:
+            last.resolve()
 
     def _update_requests(self, scheduler_output: Any) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -262,8 +287,11 @@ class HpuMMModelRunner:
         return hidden, logits[: batch.num_reqs]
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
-        """Sample the step left by ``execute_model``, under the grammar bitmask."""
+    def sample_tokens(
+        self, grammar_output: Any
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the step left by ``execute_model``, under the grammar bitmask
+        (an ``AsyncModelRunnerOutput`` under async scheduling)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -292,20 +320,29 @@ class HpuMMModelRunner:
         out = self.sampler(logits, self.input_batch.metadata)
         for row, gen_state in saved.items():
             self.input_batch.generators[row].set_state(gen_state)
-        sampled = out.sampled_token_ids[:, 0].tolist()
-        tokens: list[list[int]] = []
-        for state, token, is_partial in zip(states, sampled, partial, strict=True):
-            if not is_partial:
-                state.output_token_ids.append(token)
-                tokens.append([token])
-            else:
-                tokens.append([])
-        logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors else None
+        # The tokens stay on the device: each kept row gets a placeholder now,
+        # the host copy is waited for when the output is built (at once,
+        # unless async scheduling lets vLLM schedule the next step first).
+        keeps = [not p for p in partial]
+        tokens = PendingTokens.start(out.sampled_token_ids[:, 0], states, keeps)
         req_ids = self.input_batch.req_ids
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index=dict(self.input_batch.req_id_to_index),
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
-            prompt_logprobs_dict=pending.prompt_logprobs,
-        )
+        req_id_to_index = dict(self.input_batch.req_id_to_index)
+        logprobs_tensors = out.logprobs_tensors
+        prompt_logprobs = pending.prompt_logprobs
+
+        def build() -> ModelRunnerOutput:
+            values = tokens.resolve()
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index=req_id_to_index,
+                sampled_token_ids=[
+                    [int(values[row])] if keep else [] for row, keep in enumerate(keeps)
+                ],
+                logprobs=logprobs_tensors.tolists() if logprobs_tensors else None,
+                prompt_logprobs_dict=prompt_logprobs,
+            )
+
+        if not self.async_scheduling:
+            return build()
+        self._last_tokens = tokens
+        return AsyncStepOutput(build)

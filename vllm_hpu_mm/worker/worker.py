@@ -14,7 +14,7 @@ from vllm.distributed import (
 )
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_hpu_mm import device as dev
@@ -163,7 +163,9 @@ class HpuMMWorker(WorkerBase):
         ``sample_tokens`` next, with the step's grammar bitmask."""
         return self._runner().execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: Any
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
 
     def get_supported_tasks(self) -> tuple[str, ...]:

@@ -224,7 +224,8 @@ class GraphRunner:
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start
             ):
                 _own_layer_table()
-                outs.append(self.body(ids, positions[p.start : p.stop], emb))
+                # positions: [T] or (M-RoPE) [channels, T]: slice the token rows
+                outs.append(self.body(ids, positions[..., p.start : p.stop], emb))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

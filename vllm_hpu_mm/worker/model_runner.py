@@ -99,6 +99,17 @@ class HpuMMModelRunner:
         # set for models whose images are read by cross-attention (Mllama)
         self.cross: CrossAttentionInputs | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Rotary position channels of an M-RoPE model (Qwen2-VL family), 0 for
+        # one position per token: the body's positions are then [channels, T].
+        self.mrope_channels: int = (
+            self.model_config.mrope_num_dims if self.model_config.uses_mrope else 0
+        )
+
+    def zero_positions(self, num_tokens: int) -> np.ndarray:
+        """Positions of ``num_tokens`` padding rows: [T], or [channels, T]."""
+        if self.mrope_channels:
+            return np.zeros((self.mrope_channels, num_tokens), np.int64)
+        return np.zeros(num_tokens, np.int64)
 
     # ---- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -106,6 +117,8 @@ class HpuMMModelRunner:
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
         self.graphs = GraphRunner(self.model, self._graph_mode(), dev.compile_backend())
+        if self.mrope_channels:
+            self.requests.mrope_model = self.model
         if getattr(self.model, "uses_cross_attention_cache", False):
             self.cross = CrossAttentionInputs(
                 self.model,
@@ -116,7 +129,12 @@ class HpuMMModelRunner:
             )
         elif supports_multimodal(self.model):
             self.mm = MultimodalInputs(
-                self.model, self.device, self.graphs, self._max_encoder_items()
+                self.model,
+                self.device,
+                self.graphs,
+                self._max_encoder_items(),
+                # M-RoPE models (Qwen2-VL family) take flat patches + grids.
+                dynamic_resolution=self.mrope_channels > 0,
             )
         logger.info(
             "Loaded %s in %.1f s on %s",

@@ -143,17 +143,35 @@ class EncoderRunner:
     mode, compiled once per bucket through the same counting backend as the
     language model."""
 
-    def __init__(self, model: Any, graphs: GraphRunner, max_items: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        graphs: GraphRunner,
+        max_items: int,
+        dynamic_resolution: bool = False,
+    ) -> None:
         self.model = model
         self.dtype = model_dtype(model)
         self.item_buckets = exponential(1, max(max_items, 1))
+        # Dynamic resolution (Qwen2-VL family): the inputs are every item's
+        # patches concatenated ([sum patches, C*T*P*P]) with one grid row per
+        # item, so items are neither padded nor sliced here, and the tower
+        # runs eagerly: it computes its attention segments (``cu_seqlens``),
+        # window order and rotary tables on the host from each grid
+        # (``.tolist()``, numpy), so a compiled tower would specialise on
+        # every grid it sees (and Dynamo fails on its numpy-made
+        # ``cu_seqlens``).
+        self.dynamic_resolution = dynamic_resolution
+        self.compiled = graphs.mode == "compile" and not dynamic_resolution
         self._encode = model.embed_multimodal
-        if graphs.mode == "compile":
+        if self.compiled:
             self._encode = torch.compile(
                 model.embed_multimodal, backend=graphs.counter, dynamic=False
             )
 
     def bucket(self, num_items: int) -> int:
+        if self.dynamic_resolution:
+            return num_items
         fit = smallest_fit(num_items, self.item_buckets)
         return num_items if fit is None else fit
 
@@ -176,12 +194,17 @@ class EncoderRunner:
 
 class MultimodalInputs:
     def __init__(
-        self, model: Any, device: torch.device, graphs: GraphRunner, max_items: int
+        self,
+        model: Any,
+        device: torch.device,
+        graphs: GraphRunner,
+        max_items: int,
+        dynamic_resolution: bool = False,
     ) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache()
-        self.encoder = EncoderRunner(model, graphs, max_items)
+        self.encoder = EncoderRunner(model, graphs, max_items, dynamic_resolution)
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
         count = sum(len(r.mm_features or []) for r in new_reqs)
@@ -206,8 +229,10 @@ class MultimodalInputs:
         for _, num_items, kwargs in group_and_batch_mm_kwargs(
             items, device=self.device
         ):
-            for start in range(0, num_items, self.encoder.item_buckets[-1]):
-                n = min(self.encoder.item_buckets[-1], num_items - start)
+            step = num_items if self.encoder.dynamic_resolution else 0
+            step = step or self.encoder.item_buckets[-1]
+            for start in range(0, num_items, step):
+                n = min(step, num_items - start)
                 outputs.extend(
                     self.encoder(n, _slice_items(kwargs, num_items, start, n))
                 )
@@ -257,6 +282,8 @@ def warm_up_encoder(runner: Any, vllm_config: Any) -> int:
     from vllm.multimodal.encoder_budget import MultiModalBudget
 
     mm: MultimodalInputs = runner.mm
+    if not mm.encoder.compiled:
+        return 0  # an eager encoder has nothing to prepare
     budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
     prepared = 0
     for modality in budget.mm_max_toks_per_item:

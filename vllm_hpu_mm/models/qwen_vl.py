@@ -34,7 +34,7 @@ from vllm_hpu_mm.models.qwen_processor import Qwen2_5_VLImageProcessor
 
 
 class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
-    def get_hf_processor(self, **kwargs: object) -> Qwen2_5_VLImageProcessor:
+    def get_hf_processor(self, **kwargs: object) -> Qwen2_5_VLImageProcessor:  # type: ignore[override]
         return self.ctx.get_hf_processor(Qwen2_5_VLImageProcessor, **kwargs)
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:

@@ -23,7 +23,14 @@ vision-language models, the tiny Llama as text model. float32 throughout.
   in the real model). Its tanh gates get random non-zero values (transformers
   starts them at zero: an untrained model would ignore its images).
 
-A new model (Qwen2.5-VL, Gemma 3, ...) is one more spec: its config function, the
+- ``tiny-qwen2_5-vl``: Qwen2.5-VL: a 4-block vision tower (2 windowed, 2 full
+  attention) on 4x4 patches merged 2x2, dynamic resolution (images resized to
+  multiples of 8 pixels, 64 to 4096 pixels: 1 to 64 ``<|image_pad|>`` tokens),
+  M-RoPE (sections 2/3/3) in a Qwen2 text model of the tiny Llama's sizes; its
+  processor is the PIL image processor plus the tokenizer (no video processor:
+  transformers' is torchvision-based), saved as ``Qwen2_5_VLProcessor`` files.
+
+A new model (Gemma 3, ...) is one more spec: its config function, the
 tokens it adds, its processor.
 """
 
@@ -445,8 +452,12 @@ SPECS: tuple[TinyModelSpec, ...] = (
         seed=400,
         model_class="Qwen2_5_VLForConditionalGeneration",
         config=_qwen2_5_vl_config,
-        added_tokens=(QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD,
-                      QWEN_VIDEO_PAD),
+        added_tokens=(
+            QWEN_VISION_START,
+            QWEN_VISION_END,
+            QWEN_IMAGE_PAD,
+            QWEN_VIDEO_PAD,
+        ),
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen2_5_vl_processor,
     ),

@@ -224,8 +224,11 @@ class GraphRunner:
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start
             ):
                 _own_layer_table()
-                # positions: [T] or (M-RoPE) [channels, T]: slice the token rows
-                outs.append(self.body(ids, positions[..., p.start : p.stop], emb))
+                # positions: [T] or (M-RoPE) [channels, T]; a pass's columns of
+                # the latter are copied out contiguous, the layout warmup
+                # compiled for (a strided view would be a new graph).
+                pos = positions[..., p.start : p.stop].contiguous()
+                outs.append(self.body(ids, pos, emb))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

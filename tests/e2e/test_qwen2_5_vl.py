@@ -8,7 +8,8 @@ image processor, no torchvision) is the oracle. The language model takes M-RoPE
 positions ([3, T]: temporal, height, width), computed per request by the
 model's own ``get_mrope_input_positions`` and carried through chunks, prefix-cache
 hits and decode (``vllm_hpu_mm.worker.mrope``); the vision tower takes every
-image at its own resolution (flat patches plus one grid row per image).
+image at its own resolution (flat patches plus one grid row per image), padded
+to a patch bucket by a padding image (``vllm_hpu_mm.worker.vision_buckets``).
 """
 
 from __future__ import annotations
@@ -113,11 +114,14 @@ def test_batch_of_resolutions_with_chunked_prefill(llm: Any, model_dir: str) -> 
         ),
     ]
     _check(llm, model_dir, cases)
-    # The vision tower runs eagerly (its grids are host-side metadata) and every
-    # language-model shape was prepared at warmup: nothing compiles on serving.
+    # Every language-model shape and every vision patch bucket (16 to 256
+    # patches: the encoder budget of 64 rows times 2x2 merge) was compiled at
+    # warmup, with padding images only: these resolutions compile nothing.
     assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) > 0
     assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
     assert read_metric("vllm_hpu_mm:fallback_buckets_total") == 0
+    assert read_metric("vllm_hpu_mm:vision_patches_total") > 0
+    assert read_metric("vllm_hpu_mm:vision_padding_patches_total") > 0
 
 
 def test_prefix_cache_hit(llm: Any, model_dir: str) -> None:

@@ -135,6 +135,7 @@ class HpuMMModelRunner:
                 self._max_encoder_items(),
                 # M-RoPE models (Qwen2-VL family) take flat patches + grids.
                 dynamic_resolution=self.mrope_channels > 0,
+                max_patches=self._max_encoder_patches(),
             )
         logger.info(
             "Loaded %s in %.1f s on %s",
@@ -163,6 +164,20 @@ class HpuMMModelRunner:
         return max(
             1, min(8, per_prompt * self.vllm_config.scheduler_config.max_num_seqs)
         )
+
+    def _max_encoder_patches(self) -> int:
+        """Most patches of one encoder batch of a dynamic-resolution model: the
+        scheduler's encoder budget (embedding rows) times the patches per row
+        (spatial merge squared); 0 for other models."""
+        if not self.mrope_channels:
+            return 0
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(self.vllm_config, MULTIMODAL_REGISTRY)
+        vision = getattr(self.model_config.hf_config, "vision_config", None)
+        merge = int(getattr(vision, "spatial_merge_size", 1))
+        return int(budget.encoder_compute_budget) * merge * merge
 
     def _graph_mode(self) -> str:
         mode = self.plugin_config.graph_mode

@@ -38,6 +38,7 @@ from vllm_hpu_mm.multimodal.placeholders import (
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
+from vllm_hpu_mm.worker.vision_buckets import PatchBucketEncoder, supports_patch_buckets
 
 logger = logging.getLogger("vllm.hpu_mm.multimodal")
 
@@ -149,20 +150,26 @@ class EncoderRunner:
         graphs: GraphRunner,
         max_items: int,
         dynamic_resolution: bool = False,
+        max_patches: int = 0,
     ) -> None:
         self.model = model
         self.dtype = model_dtype(model)
         self.item_buckets = exponential(1, max(max_items, 1))
         # Dynamic resolution (Qwen2-VL family): the inputs are every item's
         # patches concatenated ([sum patches, C*T*P*P]) with one grid row per
-        # item, so items are neither padded nor sliced here, and the tower
-        # runs eagerly: it computes its attention segments (``cu_seqlens``),
-        # window order and rotary tables on the host from each grid
-        # (``.tolist()``, numpy), so a compiled tower would specialise on
-        # every grid it sees (and Dynamo fails on its numpy-made
-        # ``cu_seqlens``).
+        # item, so items are neither padded nor sliced here. A tower that takes
+        # precomputed metadata (Qwen2.5-VL) runs on patch buckets
+        # (``worker.vision_buckets``, compiled per bucket in graph mode);
+        # another one runs eagerly: it computes its attention segments
+        # (``cu_seqlens``), window order and rotary tables on the host from
+        # each grid, so compiling it whole would specialise on every grid
+        # (and Dynamo fails on its numpy-made ``cu_seqlens``).
         self.dynamic_resolution = dynamic_resolution
         self.compiled = graphs.mode == "compile" and not dynamic_resolution
+        self.patches: PatchBucketEncoder | None = None
+        if dynamic_resolution and supports_patch_buckets(model):
+            backend = graphs.counter if graphs.mode == "compile" else None
+            self.patches = PatchBucketEncoder(model, max_patches, backend)
         self._encode = model.embed_multimodal
         if self.compiled:
             self._encode = torch.compile(
@@ -184,6 +191,8 @@ class EncoderRunner:
             for k, v in kwargs.items()
         }
         kwargs = {k: encoder_input(v, self.dtype) for k, v in kwargs.items()}
+        if self.patches is not None:
+            return self.patches(kwargs)
         outputs = self._encode(**pad_items(kwargs, num_items, size))
         if len(outputs) != size:
             raise RuntimeError(
@@ -200,11 +209,14 @@ class MultimodalInputs:
         graphs: GraphRunner,
         max_items: int,
         dynamic_resolution: bool = False,
+        max_patches: int = 0,
     ) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache()
-        self.encoder = EncoderRunner(model, graphs, max_items, dynamic_resolution)
+        self.encoder = EncoderRunner(
+            model, graphs, max_items, dynamic_resolution, max_patches
+        )
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
         count = sum(len(r.mm_features or []) for r in new_reqs)
@@ -282,6 +294,10 @@ def warm_up_encoder(runner: Any, vllm_config: Any) -> int:
     from vllm.multimodal.encoder_budget import MultiModalBudget
 
     mm: MultimodalInputs = runner.mm
+    if mm.encoder.patches is not None:
+        if runner.graphs.mode != "compile":
+            return 0
+        return mm.encoder.patches.warm_up(mm.encoder.dtype)
     if not mm.encoder.compiled:
         return 0  # an eager encoder has nothing to prepare
     budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)

@@ -5,6 +5,7 @@ from __future__ import annotations
 # Lazy ("module:class"): registering imports nothing of vLLM's llava.py.
 LLAVA_CLASS = "vllm_hpu_mm.models.llava:LlavaForConditionalGeneration"
 QWEN2_5_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration"
+QWEN3_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen3VLForConditionalGeneration"
 
 
 def register_all() -> None:
@@ -35,3 +36,4 @@ def register_all() -> None:
         ModelRegistry.register_model(
             "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_CLASS
         )
+        ModelRegistry.register_model("Qwen3VLForConditionalGeneration", QWEN3_VL_CLASS)

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vllm.model_executor.models import qwen2_5_vl
+from vllm.model_executor.models import qwen2_5_vl, qwen3_vl
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from vllm_hpu_mm.models.qwen_processor import Qwen2_5_VLImageProcessor
+from vllm_hpu_mm.models.qwen_processor import (
+    Qwen2_5_VLImageProcessor,
+    Qwen3VLImageProcessor,
+)
 
 
 class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
@@ -48,3 +51,32 @@ class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
 )
 class Qwen2_5_VLForConditionalGeneration(qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
     """vLLM's Qwen2.5-VL with the images-only processor."""
+
+
+class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
+    def get_hf_processor(self, **kwargs: object) -> Qwen3VLImageProcessor:  # type: ignore[override]
+        return self.ctx.get_hf_processor(Qwen3VLImageProcessor, **kwargs)
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+    def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
+        # Qwen3-VL's own adds video pixel bounds to a video scope that an
+        # images-only processor does not have: skip to its parent's.
+        parent = qwen3_vl.Qwen3VLProcessingInfo
+        return super(parent, self).get_supported_mm_processor_kwargs()
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        # Qwen3-VL's video token count reads the video processor.
+        return {"image": self.get_max_image_tokens()}
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    qwen3_vl.Qwen3VLMultiModalProcessor,
+    info=Qwen3VLImagesOnlyProcessingInfo,
+    dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder,
+)
+class Qwen3VLForConditionalGeneration(qwen3_vl.Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL with the images-only processor."""

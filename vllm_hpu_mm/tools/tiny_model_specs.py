@@ -407,6 +407,65 @@ def _qwen2_5_vl_processor(tok: Any) -> Any:
     return _SavedAs(processor, "Qwen2_5_VLProcessor")
 
 
+
+# --- Qwen3-VL -------------------------------------------------------------------
+
+QWEN3_PATCH_SIZE = 4  # as Qwen2.5-VL's tiny tower; the released models use 16
+
+
+def _qwen3_vl_config(tok: Any) -> Any:
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import (
+        Qwen3VLTextConfig,
+        Qwen3VLVisionConfig,
+    )
+
+    ids = tok.convert_tokens_to_ids
+    # Four vision blocks; the outputs of blocks 0 and 2 are merged into the
+    # deep-stack features added to the first two decoder layers' outputs.
+    vision = Qwen3VLVisionConfig(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+        patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=QWEN_MERGE_SIZE,
+        temporal_patch_size=QWEN_TEMPORAL_PATCH, num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 2], out_hidden_size=BASE_CONFIG["hidden_size"],
+        initializer_range=BASE_CONFIG["initializer_range"], dtype="float32",
+    )  # fmt: skip
+    rope = {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    }  # fmt: skip
+    special = _special_ids(tok)
+    text = Qwen3VLTextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        max_position_embeddings=2048, initializer_range=0.25, rms_norm_eps=1e-5,
+        rope_parameters=rope, vocab_size=len(tok), dtype="float32", **special,
+    )  # fmt: skip
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids(QWEN_IMAGE_PAD),
+        video_token_id=ids(QWEN_VIDEO_PAD),
+        vision_start_token_id=ids(QWEN_VISION_START),
+        vision_end_token_id=ids(QWEN_VISION_END),
+        tie_word_embeddings=False,
+        architectures=["Qwen3VLForConditionalGeneration"],
+        dtype="float32",
+        **special,
+    )
+
+
+def _qwen3_vl_processor(tok: Any) -> Any:
+    """As ``_qwen2_5_vl_processor``, saved as a ``Qwen3VLProcessor`` checkpoint."""
+    from vllm_hpu_mm.models.qwen_processor import Qwen3VLImageProcessor
+
+    processor = Qwen3VLImageProcessor(
+        image_processor=qwen_image_processor(),
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+    )
+    return _SavedAs(processor, "Qwen3VLProcessor")
+
 SPECS: tuple[TinyModelSpec, ...] = (
     TinyModelSpec("tiny-llama", 0, "LlamaForCausalLM", _llama_text),
     TinyModelSpec(
@@ -460,5 +519,15 @@ SPECS: tuple[TinyModelSpec, ...] = (
         ),
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen2_5_vl_processor,
+    ),
+    TinyModelSpec(
+        name="tiny-qwen3-vl",
+        seed=500,
+        model_class="Qwen3VLForConditionalGeneration",
+        config=_qwen3_vl_config,
+        added_tokens=(QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD,
+                      QWEN_VIDEO_PAD),
+        chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
+        processor=_qwen3_vl_processor,
     ),
 )

@@ -212,12 +212,16 @@ class GraphRunner:
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
+        before_pass: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """The body over a step's token rows, one pass per part (a mixed step:
-        decode rows, then prefill rows), each under its own forward context.
-        Returns the hidden states of every token row, in row order."""
+        decode rows, then prefill rows), each under its own forward context;
+        ``before_pass(start, stop)`` runs before each. Returns the hidden
+        states of every token row, in row order."""
         outs = []
         for p in step_passes(attn_metadata):
+            if before_pass is not None:
+                before_pass(p.start, p.stop)
             ids = None if input_ids is None else input_ids[p.start : p.stop]
             emb = None if inputs_embeds is None else inputs_embeds[p.start : p.stop]
             with set_forward_context(

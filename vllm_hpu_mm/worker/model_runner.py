@@ -289,7 +289,12 @@ class HpuMMModelRunner:
         if self.cross is not None:
             batch.attn_metadata.cross = self.cross.metadata(batch, states)
         hidden = graphs.run_step(
-            batch.attn_metadata, self.vllm_config, input_ids, batch.positions, embeds
+            batch.attn_metadata,
+            self.vllm_config,
+            input_ids,
+            batch.positions,
+            embeds,
+            None if self.mm is None else self.mm.feed_deepstack,
         )
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
         return hidden, logits[: batch.num_reqs]

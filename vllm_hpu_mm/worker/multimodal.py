@@ -217,6 +217,10 @@ class MultimodalInputs:
         self.encoder = EncoderRunner(
             model, graphs, max_items, dynamic_resolution, max_patches
         )
+        # Deep-stack models (Qwen3-VL): the encoder rows are [main | L levels]
+        # wide; ``embed`` merges the main part and leaves the levels here,
+        # [L, num_tokens, H] (zero on text rows), for ``feed_deepstack``.
+        self.deepstack: torch.Tensor | None = None
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
         count = sum(len(r.mm_features or []) for r in new_reqs)
@@ -272,10 +276,13 @@ class MultimodalInputs:
             if s.mm_features
         ]
         maps = build_placeholder_maps(chunks, scratch_row=num_tokens, pad_to=next_pow2)
+        self.deepstack = None
         if not maps:
             return text, maps
         # One scratch row past the end takes the padding entries' writes.
         embeds = torch.cat([text, text.new_zeros(1, text.shape[1])])
+        hidden = text.shape[1]
+        deep: torch.Tensor | None = None
         for m in maps.values():
             outputs = [self.cache[k] for k in m.item_keys]
             offsets = np.cumsum([0] + [o.shape[0] for o in outputs[:-1]])
@@ -283,8 +290,23 @@ class MultimodalInputs:
             flat = torch.cat(outputs).to(embeds.dtype)
             rows = flat.index_select(0, torch.from_numpy(src).to(self.device))
             dst = torch.from_numpy(m.dst_row).to(self.device)
+            if rows.shape[1] > hidden:  # deep-stack levels after the main rows
+                if deep is None:
+                    deep = rows.new_zeros(num_tokens + 1, rows.shape[1] - hidden)
+                deep.index_copy_(0, dst, rows[:, hidden:])
+                rows = rows[:, :hidden]
             embeds.index_copy_(0, dst, rows)
+        if deep is not None:
+            self.deepstack = deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
         return embeds[:num_tokens], maps
+
+    def feed_deepstack(self, start: int, stop: int) -> None:
+        """Hand token rows [start, stop) of the step's deep-stack features to
+        the model before the pass over them (Qwen3-VL reads them in its
+        forward from a buffer its own ``embed_input_ids`` would fill, and
+        clears it after). Nothing when the step has none."""
+        if self.deepstack is not None:
+            self.model._set_deepstack_input_embeds(self.deepstack[:, start:stop])
 
 
 def warm_up_encoder(runner: Any, vllm_config: Any) -> int:

@@ -29,6 +29,7 @@ eagerly (counted as a fallback).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,13 +117,16 @@ class PatchBucketEncoder:
         # Every image and every window holds >= merge**2 patches, so
         # bucket / merge**2 segments bound both lists.
         segments = bucket // self.merge**2
+        fixed = {
+            "max_batch_size": segments,
+            "max_window_seqs_per_batch": segments,  # windowed towers (2.5)
+            "max_seqlen_override": bucket,
+            "max_seqlen_window_override": bucket,  # windowed towers (2.5)
+        }
+        taken = inspect.signature(self.visual.prepare_encoder_metadata).parameters
+        fixed = {k: v for k, v in fixed.items() if k in taken}
         return self.visual.prepare_encoder_metadata(
-            grids,
-            max_batch_size=segments,
-            max_window_seqs_per_batch=segments,
-            max_seqlen_override=bucket,
-            max_seqlen_window_override=bucket,
-            device=self.visual.device,
+            grids, device=self.visual.device, **fixed
         )
 
     def run_bucket(

@@ -48,6 +48,14 @@ ENCODER_RUNS = Counter(
     PREFIX + "encoder_runs",
     "Multimodal items run through the encoder (once per item while cached).",
 )
+VISION_PATCHES = Counter(
+    PREFIX + "vision_patches",
+    "Real image patches run through a patch-bucketed vision tower (Qwen2.5-VL).",
+)
+VISION_PADDING_PATCHES = Counter(
+    PREFIX + "vision_padding_patches",
+    "Padding patches added to reach the vision tower's patch bucket.",
+)
 MM_ITEMS = Counter(
     PREFIX + "mm_items",
     "Multimodal items received in requests.",

@@ -118,6 +118,10 @@ def test_llava_and_mllama_run_the_plugins_classes(probe: Any) -> None:
     )
     assert probe["tiny-mllama"]["vllm_class"].startswith("vllm_hpu_mm.models.mllama")
     assert probe["tiny-idefics3"]["vllm_class"].startswith("vllm.model_executor")
+    # Without torchvision: vLLM's Qwen2.5-VL with the images-only processor.
+    assert probe["tiny-qwen2_5-vl"]["vllm_class"] == (
+        "vllm_hpu_mm.models.qwen_vl.Qwen2_5_VLForConditionalGeneration"
+    )
 
 
 def test_in_tree_llava_rejects_save_pretrained_layout(probe: Any) -> None:

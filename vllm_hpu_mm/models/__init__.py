@@ -4,15 +4,23 @@ from __future__ import annotations
 
 # Lazy ("module:class"): registering imports nothing of vLLM's llava.py.
 LLAVA_CLASS = "vllm_hpu_mm.models.llava:LlavaForConditionalGeneration"
+QWEN2_5_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration"
+QWEN3_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen3VLForConditionalGeneration"
 
 
 def register_all() -> None:
     """Called from the ``vllm.general_plugins`` entry point. Idempotent."""
-    from vllm_hpu_mm.models.compat import use_pil_pixtral_image_processor
+    from vllm_hpu_mm.models.compat import (
+        torchvision_works,
+        use_pil_pixtral_image_processor,
+        use_pil_qwen2_vl_image_processor,
+    )
 
     # vLLM's llava.py imports its Pixtral code, whose transformers image
     # processor needs torchvision; the PIL twin computes the same token counts.
     use_pil_pixtral_image_processor()
+    # The same for vLLM's Qwen2-VL family (Qwen2.5-VL, Qwen3-VL).
+    use_pil_qwen2_vl_image_processor()
 
     from vllm import ModelRegistry
 
@@ -22,3 +30,10 @@ def register_all() -> None:
     ModelRegistry.register_model("MllamaForConditionalGeneration", MODEL_CLASS)
     # vLLM's LLaVA, also loading the tower layout transformers 5 writes.
     ModelRegistry.register_model("LlavaForConditionalGeneration", LLAVA_CLASS)
+    if not torchvision_works():
+        # transformers' Qwen2.5-VL processor needs a torchvision video
+        # processor: serve images through the images-only processor.
+        ModelRegistry.register_model(
+            "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_CLASS
+        )
+        ModelRegistry.register_model("Qwen3VLForConditionalGeneration", QWEN3_VL_CLASS)

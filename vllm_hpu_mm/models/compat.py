@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import types
 
 # vLLM 0.33: llava.py -> pixtral.py -> this module -> torchvision.
 TORCHVISION_PIXTRAL_MODULE = "transformers.models.pixtral.image_processing_pixtral"
@@ -66,3 +67,52 @@ def use_pil_pixtral_image_processor() -> None:
         return
     pil_module = importlib.import_module(PIL_PIXTRAL_MODULE)
     sys.modules[TORCHVISION_PIXTRAL_MODULE] = pil_module
+
+
+# vLLM 0.33: qwen2_vl.py (and qwen2_5_vl.py, qwen3_vl.py through it) do
+# ``from transformers.models.qwen2_vl import Qwen2VLImageProcessor`` and
+# ``from ...image_processing_qwen2_vl import smart_resize``; in transformers 5
+# that module is the torchvision backend.
+TORCHVISION_QWEN2_VL_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+PIL_QWEN2_VL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+
+
+def torchvision_works() -> bool:
+    """Whether ``torchvision`` is installed and imports beside this torch."""
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        importlib.import_module("torchvision.transforms.v2.functional")
+    except Exception:  # a CUDA build beside a CPU torch raises RuntimeError/OSError
+        return False
+    return True
+
+
+def use_pil_qwen2_vl_image_processor() -> None:
+    """Make ``import vllm.model_executor.models.qwen2_5_vl`` work without torchvision.
+
+    Why: the torchvision-backed module named above is imported at the top of vLLM's
+    Qwen2-VL code for a type annotation (``Qwen2VLImageProcessor``) and the pure
+    function ``smart_resize``. Its PIL twin has the same ``smart_resize`` (same
+    arithmetic, numpy only) and the same processing as ``Qwen2VLImageProcessorPil``.
+    This puts a module in ``sys.modules`` under the torchvision module's name
+    holding every name of the PIL twin plus ``Qwen2VLImageProcessor`` bound to
+    the PIL class, so both imports (and transformers' lazy
+    ``transformers.models.qwen2_vl.Qwen2VLImageProcessor``) resolve to PIL code.
+
+    When: from the plugin's model registration, before vLLM imports its Qwen
+    models. Does nothing when torchvision works, when the real module is already
+    imported, or when already called (idempotent).
+
+    When it can go: once torchvision is part of the environment, or once vLLM
+    imports the image processor lazily.
+    """
+    if TORCHVISION_QWEN2_VL_MODULE in sys.modules or torchvision_works():
+        return
+    pil = importlib.import_module(PIL_QWEN2_VL_MODULE)
+    alias = types.ModuleType(TORCHVISION_QWEN2_VL_MODULE, pil.__doc__)
+    alias.__dict__.update(
+        {k: v for k, v in vars(pil).items() if not k.startswith("__")}
+    )
+    alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
+    sys.modules[TORCHVISION_QWEN2_VL_MODULE] = alias

@@ -23,7 +23,14 @@ vision-language models, the tiny Llama as text model. float32 throughout.
   in the real model). Its tanh gates get random non-zero values (transformers
   starts them at zero: an untrained model would ignore its images).
 
-A new model (Qwen2.5-VL, Gemma 3, ...) is one more spec: its config function, the
+- ``tiny-qwen2_5-vl``: Qwen2.5-VL: a 4-block vision tower (2 windowed, 2 full
+  attention) on 4x4 patches merged 2x2, dynamic resolution (images resized to
+  multiples of 8 pixels, 64 to 4096 pixels: 1 to 64 ``<|image_pad|>`` tokens),
+  M-RoPE (sections 2/3/3) in a Qwen2 text model of the tiny Llama's sizes; its
+  processor is the PIL image processor plus the tokenizer (no video processor:
+  transformers' is torchvision-based), saved as ``Qwen2_5_VLProcessor`` files.
+
+A new model (Gemma 3, ...) is one more spec: its config function, the
 tokens it adds, its processor.
 """
 
@@ -295,6 +302,170 @@ LLAVA = TinyModelSpec(
     version=2,
 )
 
+# --- Qwen2.5-VL -----------------------------------------------------------------
+
+QWEN_VISION_START = "<|vision_start|>"
+QWEN_VISION_END = "<|vision_end|>"
+QWEN_IMAGE_PAD = "<|image_pad|>"
+QWEN_VIDEO_PAD = "<|video_pad|>"
+# What the chat template writes for one image (the processor expands the pad).
+QWEN_IMAGE_PLACEHOLDER = QWEN_VISION_START + QWEN_IMAGE_PAD + QWEN_VISION_END
+QWEN_PATCH_SIZE = 4
+QWEN_MERGE_SIZE = 2
+QWEN_TEMPORAL_PATCH = 2
+# Resized images have sides that are multiples of patch * merge (8 pixels) and
+# between these pixel counts: 64 to 4096 pixels, i.e. 1 to 64 image tokens.
+QWEN_MIN_PIXELS = (QWEN_PATCH_SIZE * QWEN_MERGE_SIZE) ** 2
+QWEN_MAX_PIXELS = 64 * 64
+
+
+def _qwen2_5_vl_config(tok: Any) -> Any:
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLVisionConfig,
+    )
+
+    ids = tok.convert_tokens_to_ids
+    # Four vision blocks, two of them windowed (window 16 px = 2x2 merged
+    # units), as the released models alternate them.
+    vision = Qwen2_5_VLVisionConfig(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+        patch_size=QWEN_PATCH_SIZE, spatial_merge_size=QWEN_MERGE_SIZE,
+        temporal_patch_size=QWEN_TEMPORAL_PATCH, window_size=16,
+        fullatt_block_indexes=[1, 3], out_hidden_size=BASE_CONFIG["hidden_size"],
+        initializer_range=BASE_CONFIG["initializer_range"], dtype="float32",
+    )  # fmt: skip
+    # M-RoPE: the 8 rotary frequency pairs of a 16-wide head split 2/3/3 over
+    # the temporal, height and width position channels.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    special = _special_ids(tok)
+    text = Qwen2_5_VLTextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=2048,
+        initializer_range=0.25, rms_norm_eps=1e-5, rope_parameters=rope,
+        vocab_size=len(tok), dtype="float32", **special,
+    )  # fmt: skip
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids(QWEN_IMAGE_PAD),
+        video_token_id=ids(QWEN_VIDEO_PAD),
+        vision_start_token_id=ids(QWEN_VISION_START),
+        vision_end_token_id=ids(QWEN_VISION_END),
+        tie_word_embeddings=False,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        dtype="float32",
+        **special,
+    )
+
+
+def qwen_image_processor() -> Any:
+    """The PIL Qwen2-VL image processor at the tiny model's patch sizes."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS},
+        patch_size=QWEN_PATCH_SIZE,
+        temporal_patch_size=QWEN_TEMPORAL_PATCH,
+        merge_size=QWEN_MERGE_SIZE,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _SavedAs:
+    """A processor whose saved files name ``processor_class`` as released
+    checkpoints do (``processor_config.json``, ``tokenizer_config.json``)."""
+
+    processor: Any
+    processor_class: str
+
+    def save_pretrained(self, model_dir: Any) -> None:
+        import json
+        from pathlib import Path
+
+        self.processor.save_pretrained(model_dir)
+        for name in ("processor_config.json", "tokenizer_config.json"):
+            file = Path(model_dir) / name
+            data = json.loads(file.read_text())
+            data["processor_class"] = self.processor_class
+            file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _qwen2_5_vl_processor(tok: Any) -> Any:
+    """The PIL image processor and the tokenizer saved as a released
+    ``Qwen2_5_VLProcessor`` checkpoint has them, without its video processor:
+    transformers' Qwen video processors are torchvision-based (see
+    ``vllm_hpu_mm.models.qwen_vl``)."""
+    from vllm_hpu_mm.models.qwen_processor import Qwen2_5_VLImageProcessor
+
+    processor = Qwen2_5_VLImageProcessor(
+        image_processor=qwen_image_processor(),
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+    )
+    return _SavedAs(processor, "Qwen2_5_VLProcessor")
+
+
+
+# --- Qwen3-VL -------------------------------------------------------------------
+
+QWEN3_PATCH_SIZE = 4  # as Qwen2.5-VL's tiny tower; the released models use 16
+
+
+def _qwen3_vl_config(tok: Any) -> Any:
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import (
+        Qwen3VLTextConfig,
+        Qwen3VLVisionConfig,
+    )
+
+    ids = tok.convert_tokens_to_ids
+    # Four vision blocks; the outputs of blocks 0 and 2 are merged into the
+    # deep-stack features added to the first two decoder layers' outputs.
+    vision = Qwen3VLVisionConfig(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+        patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=QWEN_MERGE_SIZE,
+        temporal_patch_size=QWEN_TEMPORAL_PATCH, num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 2], out_hidden_size=BASE_CONFIG["hidden_size"],
+        initializer_range=BASE_CONFIG["initializer_range"], dtype="float32",
+    )  # fmt: skip
+    rope = {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    }  # fmt: skip
+    special = _special_ids(tok)
+    text = Qwen3VLTextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        max_position_embeddings=2048, initializer_range=0.25, rms_norm_eps=1e-5,
+        rope_parameters=rope, vocab_size=len(tok), dtype="float32", **special,
+    )  # fmt: skip
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids(QWEN_IMAGE_PAD),
+        video_token_id=ids(QWEN_VIDEO_PAD),
+        vision_start_token_id=ids(QWEN_VISION_START),
+        vision_end_token_id=ids(QWEN_VISION_END),
+        tie_word_embeddings=False,
+        architectures=["Qwen3VLForConditionalGeneration"],
+        dtype="float32",
+        **special,
+    )
+
+
+def _qwen3_vl_processor(tok: Any) -> Any:
+    """As ``_qwen2_5_vl_processor``, saved as a ``Qwen3VLProcessor`` checkpoint."""
+    from vllm_hpu_mm.models.qwen_processor import Qwen3VLImageProcessor
+
+    processor = Qwen3VLImageProcessor(
+        image_processor=qwen_image_processor(),
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+    )
+    return _SavedAs(processor, "Qwen3VLProcessor")
+
 SPECS: tuple[TinyModelSpec, ...] = (
     TinyModelSpec("tiny-llama", 0, "LlamaForCausalLM", _llama_text),
     TinyModelSpec(
@@ -334,5 +505,29 @@ SPECS: tuple[TinyModelSpec, ...] = (
         processor=_mllama_processor,
         post_init=randomize_gates,
         version=2,
+    ),
+    TinyModelSpec(
+        name="tiny-qwen2_5-vl",
+        seed=400,
+        model_class="Qwen2_5_VLForConditionalGeneration",
+        config=_qwen2_5_vl_config,
+        added_tokens=(
+            QWEN_VISION_START,
+            QWEN_VISION_END,
+            QWEN_IMAGE_PAD,
+            QWEN_VIDEO_PAD,
+        ),
+        chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
+        processor=_qwen2_5_vl_processor,
+    ),
+    TinyModelSpec(
+        name="tiny-qwen3-vl",
+        seed=500,
+        model_class="Qwen3VLForConditionalGeneration",
+        config=_qwen3_vl_config,
+        added_tokens=(QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD,
+                      QWEN_VIDEO_PAD),
+        chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
+        processor=_qwen3_vl_processor,
     ),
 )

@@ -212,19 +212,27 @@ class GraphRunner:
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
+        before_pass: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """The body over a step's token rows, one pass per part (a mixed step:
-        decode rows, then prefill rows), each under its own forward context.
-        Returns the hidden states of every token row, in row order."""
+        decode rows, then prefill rows), each under its own forward context;
+        ``before_pass(start, stop)`` runs before each. Returns the hidden
+        states of every token row, in row order."""
         outs = []
         for p in step_passes(attn_metadata):
+            if before_pass is not None:
+                before_pass(p.start, p.stop)
             ids = None if input_ids is None else input_ids[p.start : p.stop]
             emb = None if inputs_embeds is None else inputs_embeds[p.start : p.stop]
             with set_forward_context(
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start
             ):
                 _own_layer_table()
-                outs.append(self.body(ids, positions[p.start : p.stop], emb))
+                # positions: [T] or (M-RoPE) [channels, T]; a pass's columns of
+                # the latter are copied out contiguous, the layout warmup
+                # compiled for (a strided view would be a new graph).
+                pos = positions[..., p.start : p.stop].contiguous()
+                outs.append(self.body(ids, pos, emb))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

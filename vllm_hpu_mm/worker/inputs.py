@@ -32,6 +32,7 @@ from vllm_hpu_mm.attention.metadata import (
     token_row_of_real_tokens,
 )
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
+from vllm_hpu_mm.worker.mrope import gather_mrope
 from vllm_hpu_mm.worker.requests import RequestState
 
 
@@ -44,7 +45,8 @@ class StepBatch:
     seq_lens: np.ndarray  # [R] context length after this step
     shape: StepShape  # the bucket the step is padded to
     input_ids: torch.Tensor  # [shape.num_tokens] int64
-    positions: torch.Tensor  # [shape.num_tokens] int64
+    positions: torch.Tensor  # [shape.num_tokens] int64; M-RoPE models:
+    # [channels, shape.num_tokens] (``worker.mrope``), padding rows at 0
     logits_rows: torch.Tensor  # [batch bucket] token row of each request's last
     # token; padding rows repeat row 0 and their logits are dropped
     attn_metadata: HpuMMAttentionMetadata
@@ -126,6 +128,14 @@ def build_step(
     pos = np.zeros(shape.num_tokens, np.int64)
     ids[rows] = token_ids
     pos[rows] = positions
+    if states and states[0].mrope is not None:
+        # The rotary positions are the model's M-RoPE ones; ``positions``
+        # (token indices) still decides the KV slots above.
+        entries = [s.mrope for s in states]
+        assert all(e is not None for e in entries), "M-RoPE positions missing"
+        real = gather_mrope(entries, seq_lens - query_lens, query_lens)  # type: ignore[arg-type]
+        pos = np.zeros((real.shape[0], shape.num_tokens), np.int64)
+        pos[:, rows] = real
     logits_rows = np.zeros(batch_rows, np.int64)
     logits_rows[: len(req_ids)] = rows[np.cumsum(query_lens) - 1]
     md = build_metadata(

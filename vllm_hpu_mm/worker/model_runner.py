@@ -105,6 +105,17 @@ class HpuMMModelRunner:
         # set for models whose images are read by cross-attention (Mllama)
         self.cross: CrossAttentionInputs | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Rotary position channels of an M-RoPE model (Qwen2-VL family), 0 for
+        # one position per token: the body's positions are then [channels, T].
+        self.mrope_channels: int = (
+            self.model_config.mrope_num_dims if self.model_config.uses_mrope else 0
+        )
+
+    def zero_positions(self, num_tokens: int) -> np.ndarray:
+        """Positions of ``num_tokens`` padding rows: [T], or [channels, T]."""
+        if self.mrope_channels:
+            return np.zeros((self.mrope_channels, num_tokens), np.int64)
+        return np.zeros(num_tokens, np.int64)
 
     # ---- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -112,6 +123,8 @@ class HpuMMModelRunner:
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
         self.graphs = GraphRunner(self.model, self._graph_mode(), dev.compile_backend())
+        if self.mrope_channels:
+            self.requests.mrope_model = self.model
         if getattr(self.model, "uses_cross_attention_cache", False):
             self.cross = CrossAttentionInputs(
                 self.model,
@@ -122,7 +135,13 @@ class HpuMMModelRunner:
             )
         elif supports_multimodal(self.model):
             self.mm = MultimodalInputs(
-                self.model, self.device, self.graphs, self._max_encoder_items()
+                self.model,
+                self.device,
+                self.graphs,
+                self._max_encoder_items(),
+                # M-RoPE models (Qwen2-VL family) take flat patches + grids.
+                dynamic_resolution=self.mrope_channels > 0,
+                max_patches=self._max_encoder_patches(),
             )
         logger.info(
             "Loaded %s in %.1f s on %s",
@@ -151,6 +170,20 @@ class HpuMMModelRunner:
         return max(
             1, min(8, per_prompt * self.vllm_config.scheduler_config.max_num_seqs)
         )
+
+    def _max_encoder_patches(self) -> int:
+        """Most patches of one encoder batch of a dynamic-resolution model: the
+        scheduler's encoder budget (embedding rows) times the patches per row
+        (spatial merge squared); 0 for other models."""
+        if not self.mrope_channels:
+            return 0
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(self.vllm_config, MULTIMODAL_REGISTRY)
+        vision = getattr(self.model_config.hf_config, "vision_config", None)
+        merge = int(getattr(vision, "spatial_merge_size", 1))
+        return int(budget.encoder_compute_budget) * merge * merge
 
     def _graph_mode(self) -> str:
         mode = self.plugin_config.graph_mode
@@ -281,7 +314,12 @@ class HpuMMModelRunner:
         if self.cross is not None:
             batch.attn_metadata.cross = self.cross.metadata(batch, states)
         hidden = graphs.run_step(
-            batch.attn_metadata, self.vllm_config, input_ids, batch.positions, embeds
+            batch.attn_metadata,
+            self.vllm_config,
+            input_ids,
+            batch.positions,
+            embeds,
+            None if self.mm is None else self.mm.feed_deepstack,
         )
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
         return hidden, logits[: batch.num_reqs]

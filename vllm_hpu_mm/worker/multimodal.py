@@ -38,6 +38,7 @@ from vllm_hpu_mm.multimodal.placeholders import (
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
+from vllm_hpu_mm.worker.vision_buckets import PatchBucketEncoder, supports_patch_buckets
 
 logger = logging.getLogger("vllm.hpu_mm.multimodal")
 
@@ -143,17 +144,41 @@ class EncoderRunner:
     mode, compiled once per bucket through the same counting backend as the
     language model."""
 
-    def __init__(self, model: Any, graphs: GraphRunner, max_items: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        graphs: GraphRunner,
+        max_items: int,
+        dynamic_resolution: bool = False,
+        max_patches: int = 0,
+    ) -> None:
         self.model = model
         self.dtype = model_dtype(model)
         self.item_buckets = exponential(1, max(max_items, 1))
+        # Dynamic resolution (Qwen2-VL family): the inputs are every item's
+        # patches concatenated ([sum patches, C*T*P*P]) with one grid row per
+        # item, so items are neither padded nor sliced here. A tower that takes
+        # precomputed metadata (Qwen2.5-VL) runs on patch buckets
+        # (``worker.vision_buckets``, compiled per bucket in graph mode);
+        # another one runs eagerly: it computes its attention segments
+        # (``cu_seqlens``), window order and rotary tables on the host from
+        # each grid, so compiling it whole would specialise on every grid
+        # (and Dynamo fails on its numpy-made ``cu_seqlens``).
+        self.dynamic_resolution = dynamic_resolution
+        self.compiled = graphs.mode == "compile" and not dynamic_resolution
+        self.patches: PatchBucketEncoder | None = None
+        if dynamic_resolution and supports_patch_buckets(model):
+            backend = graphs.counter if graphs.mode == "compile" else None
+            self.patches = PatchBucketEncoder(model, max_patches, backend)
         self._encode = model.embed_multimodal
-        if graphs.mode == "compile":
+        if self.compiled:
             self._encode = torch.compile(
                 model.embed_multimodal, backend=graphs.counter, dynamic=False
             )
 
     def bucket(self, num_items: int) -> int:
+        if self.dynamic_resolution:
+            return num_items
         fit = smallest_fit(num_items, self.item_buckets)
         return num_items if fit is None else fit
 
@@ -166,6 +191,8 @@ class EncoderRunner:
             for k, v in kwargs.items()
         }
         kwargs = {k: encoder_input(v, self.dtype) for k, v in kwargs.items()}
+        if self.patches is not None:
+            return self.patches(kwargs)
         outputs = self._encode(**pad_items(kwargs, num_items, size))
         if len(outputs) != size:
             raise RuntimeError(
@@ -176,12 +203,24 @@ class EncoderRunner:
 
 class MultimodalInputs:
     def __init__(
-        self, model: Any, device: torch.device, graphs: GraphRunner, max_items: int
+        self,
+        model: Any,
+        device: torch.device,
+        graphs: GraphRunner,
+        max_items: int,
+        dynamic_resolution: bool = False,
+        max_patches: int = 0,
     ) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache()
-        self.encoder = EncoderRunner(model, graphs, max_items)
+        self.encoder = EncoderRunner(
+            model, graphs, max_items, dynamic_resolution, max_patches
+        )
+        # Deep-stack models (Qwen3-VL): the encoder rows are [main | L levels]
+        # wide; ``embed`` merges the main part and leaves the levels here,
+        # [L, num_tokens, H] (zero on text rows), for ``feed_deepstack``.
+        self.deepstack: torch.Tensor | None = None
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
         count = sum(len(r.mm_features or []) for r in new_reqs)
@@ -206,8 +245,10 @@ class MultimodalInputs:
         for _, num_items, kwargs in group_and_batch_mm_kwargs(
             items, device=self.device
         ):
-            for start in range(0, num_items, self.encoder.item_buckets[-1]):
-                n = min(self.encoder.item_buckets[-1], num_items - start)
+            step = num_items if self.encoder.dynamic_resolution else 0
+            step = step or self.encoder.item_buckets[-1]
+            for start in range(0, num_items, step):
+                n = min(step, num_items - start)
                 outputs.extend(
                     self.encoder(n, _slice_items(kwargs, num_items, start, n))
                 )
@@ -235,10 +276,13 @@ class MultimodalInputs:
             if s.mm_features
         ]
         maps = build_placeholder_maps(chunks, scratch_row=num_tokens, pad_to=next_pow2)
+        self.deepstack = None
         if not maps:
             return text, maps
         # One scratch row past the end takes the padding entries' writes.
         embeds = torch.cat([text, text.new_zeros(1, text.shape[1])])
+        hidden = text.shape[1]
+        deep: torch.Tensor | None = None
         for m in maps.values():
             outputs = [self.cache[k] for k in m.item_keys]
             offsets = np.cumsum([0] + [o.shape[0] for o in outputs[:-1]])
@@ -246,8 +290,23 @@ class MultimodalInputs:
             flat = torch.cat(outputs).to(embeds.dtype)
             rows = flat.index_select(0, torch.from_numpy(src).to(self.device))
             dst = torch.from_numpy(m.dst_row).to(self.device)
+            if rows.shape[1] > hidden:  # deep-stack levels after the main rows
+                if deep is None:
+                    deep = rows.new_zeros(num_tokens + 1, rows.shape[1] - hidden)
+                deep.index_copy_(0, dst, rows[:, hidden:])
+                rows = rows[:, :hidden]
             embeds.index_copy_(0, dst, rows)
+        if deep is not None:
+            self.deepstack = deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
         return embeds[:num_tokens], maps
+
+    def feed_deepstack(self, start: int, stop: int) -> None:
+        """Hand token rows [start, stop) of the step's deep-stack features to
+        the model before the pass over them (Qwen3-VL reads them in its
+        forward from a buffer its own ``embed_input_ids`` would fill, and
+        clears it after). Nothing when the step has none."""
+        if self.deepstack is not None:
+            self.model._set_deepstack_input_embeds(self.deepstack[:, start:stop])
 
 
 def warm_up_encoder(runner: Any, vllm_config: Any) -> int:
@@ -257,6 +316,12 @@ def warm_up_encoder(runner: Any, vllm_config: Any) -> int:
     from vllm.multimodal.encoder_budget import MultiModalBudget
 
     mm: MultimodalInputs = runner.mm
+    if mm.encoder.patches is not None:
+        if runner.graphs.mode != "compile":
+            return 0
+        return mm.encoder.patches.warm_up(mm.encoder.dtype)
+    if not mm.encoder.compiled:
+        return 0  # an eager encoder has nothing to prepare
     budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
     prepared = 0
     for modality in budget.mm_max_toks_per_item:

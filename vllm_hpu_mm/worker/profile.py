@@ -344,7 +344,7 @@ def _run_step(runner: HpuMMModelRunner, shape: ProfileShape, md: Any) -> None:
     model: Any = runner.get_model()
     t = shape.num_tokens
     ids = torch.zeros(t, dtype=torch.int64, device=runner.device)
-    positions = torch.zeros(t, dtype=torch.int64, device=runner.device)
+    positions = torch.from_numpy(runner.zero_positions(t)).to(runner.device)
     kept = _run_encoder(runner, shape.encoder_items)
     embeds = None
     if runner.mm is not None:  # multimodal models run on merged embeddings

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_hpu_mm.worker.mrope import MRopePositions, compute_mrope
+
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -22,6 +24,8 @@ class RequestState:
     num_computed_tokens: int  # tokens whose K/V are in the cache
     mm_features: list[Any] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # M-RoPE models only (``worker.mrope``): the prompt's positions and delta.
+    mrope: MRopePositions | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -47,6 +51,9 @@ class RequestTable:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.states: dict[str, RequestState] = {}
+        # Set (to the model) for M-RoPE models: each new request's positions
+        # are computed by the model's ``get_mrope_input_positions``.
+        self.mrope_model: Any | None = None
 
     def __getitem__(self, req_id: str) -> RequestState:
         return self.states[req_id]
@@ -80,14 +87,20 @@ class RequestTable:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+        prompt = list(new.prompt_token_ids or [])
+        mm_features = list(new.mm_features or [])
+        mrope = None
+        if self.mrope_model is not None:
+            mrope = compute_mrope(self.mrope_model, prompt, mm_features)
         self.states[new.req_id] = RequestState(
             req_id=new.req_id,
-            prompt_token_ids=list(new.prompt_token_ids or []),
+            prompt_token_ids=prompt,
             sampling_params=params,
             generator=generator,
             block_ids=list(_single_group(new.block_ids, new.req_id)),
             num_computed_tokens=new.num_computed_tokens,
-            mm_features=list(new.mm_features or []),
+            mm_features=mm_features,
+            mrope=mrope,
         )
 
 

@@ -49,7 +49,7 @@ def _padding_only_step(runner: HpuMMModelRunner, shape: StepShape) -> None:
     # tensor passed twice would compile a graph that serving never reuses.
     zeros = np.zeros(num_tokens, np.int64)
     input_ids = runner.buffers.put("input_ids", zeros)
-    positions = runner.buffers.put("positions", zeros)
+    positions = runner.buffers.put("positions", runner.zero_positions(num_tokens))
     assert runner.graphs is not None
     embeds = None
     if runner.mm is not None:  # multimodal models run on merged embeddings

@@ -1,0 +1,93 @@
+"""HF transformers reference for the tiny Qwen2.5-VL (float32, CPU, greedy).
+
+- ``tiny_qwen_dir()``: ``models/tiny-qwen2_5-vl``, built on first use;
+- ``qwen_prompt(n)``: the one prompt string both vLLM and HF get, with ``n``
+  ``<|vision_start|><|image_pad|><|vision_end|>`` placeholders (the processor
+  expands each pad to the image's merged-patch count);
+- ``hf_qwen_inputs`` / ``hf_qwen_greedy``: the images-only processor saved with
+  the model (PIL image processor, ``vllm_hpu_mm.models.qwen_processor``) and
+  ``Qwen2_5_VLForConditionalGeneration.generate`` (eager attention, eos off).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tests.mm_reference import MODELS_DIR
+from vllm_hpu_mm.tools import tiny_model_specs as specs
+from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+
+QWEN_MODEL = "tiny-qwen2_5-vl"
+
+
+def tiny_qwen_dir() -> str:
+    """Path of ``models/tiny-qwen2_5-vl`` (built on first use; kept when current)."""
+    return str(build_tiny_model(MODELS_DIR, QWEN_MODEL))
+
+
+def qwen_prompt(
+    num_images: int, question: str = "What is shown?", preamble: str = ""
+) -> str:
+    """A user turn with ``num_images`` image placeholders, then ``question``,
+    and the assistant header (the tiny model's Llama-3-like chat layout)."""
+    images = specs.QWEN_IMAGE_PLACEHOLDER * num_images
+    return (
+        "<|start_header_id|>user<|end_header_id|>\n\n"
+        f"{preamble}{images}{question}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+@functools.cache
+def load_hf_qwen(model_dir: str) -> Any:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.cache
+def load_hf_qwen_processor(model_dir: str) -> Any:
+    from vllm_hpu_mm.models.qwen_processor import Qwen2_5_VLImageProcessor
+
+    return Qwen2_5_VLImageProcessor.from_pretrained(model_dir)
+
+
+def hf_qwen_inputs(model_dir: str, prompt: str, images: Sequence[Any]) -> Any:
+    """The processor's inputs (BOS prepended, as ``LLM.generate`` tokenizes)."""
+    processor = load_hf_qwen_processor(model_dir)
+    return processor(text=[prompt], images=list(images) or None, return_tensors="pt")
+
+
+def hf_qwen_greedy(
+    model_dir: str, prompt: str, images: Sequence[Any], max_new_tokens: int
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy continuation of exactly ``max_new_tokens`` ids)."""
+    model = load_hf_qwen(model_dir)
+    inputs = hf_qwen_inputs(model_dir, prompt, images)
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=model.config.text_config.pad_token_id,
+        )
+    prompt_ids = inputs["input_ids"][0].tolist()
+    generated = out[0, len(prompt_ids) :].tolist()
+    assert len(generated) == max_new_tokens, (len(generated), max_new_tokens)
+    return prompt_ids, generated
+
+
+def num_image_tokens(model_dir: str, image: Any) -> int:
+    """Placeholder tokens the processor gives ``image`` (merged patches)."""
+    grid = hf_qwen_inputs(model_dir, qwen_prompt(1), [image])["image_grid_thw"]
+    merge = specs.QWEN_MERGE_SIZE
+    return int(grid.prod()) // merge**2

@@ -1,0 +1,62 @@
+"""The images-only Qwen2.5-VL processor (transformers only, no vLLM, no torchvision).
+
+Why it exists: see ``vllm_hpu_mm.models.qwen_vl``. The tiny model builder saves
+through it and the HF reference of the tests loads through it, so vLLM and HF
+get the same prompt ids and pixel values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+from transformers.models.qwen3_vl import Qwen3VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+
+class Qwen2_5_VLImageProcessor(Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` for images only: no video sub-processor."""
+
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # The token attributes Qwen2_5_VLProcessor.__init__ sets, then the
+        # mixin's checks over this signature's two sub-processors.
+        self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+        self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(
+            self, image_processor, tokenizer, chat_template=chat_template, **kwargs
+        )
+
+
+class Qwen3VLImageProcessor(Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` for images only: no video sub-processor."""
+
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # The attributes Qwen3VLProcessor.__init__ sets (its video ones
+        # included: the processor's __call__ reads them), then the mixin's
+        # checks over this signature's two sub-processors.
+        ids = tokenizer.convert_tokens_to_ids
+        self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+        self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+        self.image_token_id = ids(self.image_token)
+        self.video_token_id = ids(self.video_token)
+        ProcessorMixin.__init__(
+            self, image_processor, tokenizer, chat_template=chat_template, **kwargs
+        )
+        self.vision_start_token = "<|vision_start|>"
+        self.vision_end_token = "<|vision_end|>"
+        self.vision_start_token_id = ids(self.vision_start_token)
+        self.vision_end_token_id = ids(self.vision_end_token)

@@ -1,0 +1,82 @@
+"""vLLM's in-tree Qwen2.5-VL, served for images without torchvision.
+
+transformers 5 builds ``Qwen2_5_VLProcessor`` only together with a video processor,
+and every Qwen video processor it has is torchvision-based (``BaseVideoProcessor``
+is a torchvision backend); ``ProcessorMixin`` refuses ``video_processor=None``.
+This environment has no working torchvision (the registry's wheel does not load
+beside the CPU torch; the matching torch + torchvision pair is a 5.5 GB CUDA
+build). The plugin therefore takes a PIL-only path, as it does for LLaVA's
+Pixtral import (``models.compat``):
+
+- ``Qwen2_5_VLImageProcessor`` (``models.qwen_processor``): ``Qwen2_5_VLProcessor`` without the video
+  sub-processor (its sub-processors are read from ``__init__``'s signature, so
+  ``from_pretrained`` loads the tokenizer and the PIL image processor only). A
+  released checkpoint's files load into it unchanged; image inputs are processed
+  exactly as by ``Qwen2_5_VLProcessor`` (the same ``__call__``);
+- ``Qwen2_5_VLForConditionalGeneration``: vLLM's class, with processing info that
+  builds that processor and offers the image modality only (video requests are
+  refused by vLLM's per-prompt limit check, as for any unsupported modality).
+
+Registered only when torchvision does not work (``models.register_all``); with
+torchvision vLLM's own class and processor serve video as well.
+
+When it can go: once torchvision is part of the environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vllm.model_executor.models import qwen2_5_vl, qwen3_vl
+from vllm.multimodal import MULTIMODAL_REGISTRY
+
+from vllm_hpu_mm.models.qwen_processor import (
+    Qwen2_5_VLImageProcessor,
+    Qwen3VLImageProcessor,
+)
+
+
+class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
+    def get_hf_processor(self, **kwargs: object) -> Qwen2_5_VLImageProcessor:  # type: ignore[override]
+        return self.ctx.get_hf_processor(Qwen2_5_VLImageProcessor, **kwargs)
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    qwen2_5_vl.Qwen2_5_VLMultiModalProcessor,
+    info=ImagesOnlyProcessingInfo,
+    dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
+)
+class Qwen2_5_VLForConditionalGeneration(qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL with the images-only processor."""
+
+
+class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
+    def get_hf_processor(self, **kwargs: object) -> Qwen3VLImageProcessor:  # type: ignore[override]
+        return self.ctx.get_hf_processor(Qwen3VLImageProcessor, **kwargs)
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+    def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
+        # Qwen3-VL's own adds video pixel bounds to a video scope that an
+        # images-only processor does not have: skip to its parent's.
+        parent = qwen3_vl.Qwen3VLProcessingInfo
+        return super(parent, self).get_supported_mm_processor_kwargs()
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        # Qwen3-VL's video token count reads the video processor.
+        return {"image": self.get_max_image_tokens()}
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    qwen3_vl.Qwen3VLMultiModalProcessor,
+    info=Qwen3VLImagesOnlyProcessingInfo,
+    dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder,
+)
+class Qwen3VLForConditionalGeneration(qwen3_vl.Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL with the images-only processor."""

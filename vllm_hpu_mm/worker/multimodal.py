@@ -297,7 +297,9 @@ class MultimodalInputs:
                 rows = rows[:, :hidden]
             embeds.index_copy_(0, dst, rows)
         if deep is not None:
-            self.deepstack = deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
+            self.deepstack = (
+                deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
+            )
         return embeds[:num_tokens], maps
 
     def feed_deepstack(self, start: int, stop: int) -> None:

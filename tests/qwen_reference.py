@@ -75,18 +75,31 @@ def load_hf_qwen_processor(model_dir: str) -> Any:
     return processors[_architecture(model_dir)].from_pretrained(model_dir)
 
 
-def hf_qwen_inputs(model_dir: str, prompt: str, images: Sequence[Any]) -> Any:
-    """The processor's inputs (BOS prepended, as ``LLM.generate`` tokenizes)."""
+def hf_qwen_inputs(
+    model_dir: str, prompt: str, images: Sequence[Any], add_special_tokens: bool = True
+) -> Any:
+    """The processor's inputs. ``add_special_tokens`` as the vLLM side
+    tokenizes: True (BOS prepended) for ``LLM.generate`` on a text prompt,
+    False for a chat-template rendering (which writes BOS itself)."""
     processor = load_hf_qwen_processor(model_dir)
-    return processor(text=[prompt], images=list(images) or None, return_tensors="pt")
+    return processor(
+        text=[prompt],
+        images=list(images) or None,
+        return_tensors="pt",
+        add_special_tokens=add_special_tokens,
+    )
 
 
 def hf_qwen_greedy(
-    model_dir: str, prompt: str, images: Sequence[Any], max_new_tokens: int
+    model_dir: str,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
 ) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy continuation of exactly ``max_new_tokens`` ids)."""
     model = load_hf_qwen(model_dir)
-    inputs = hf_qwen_inputs(model_dir, prompt, images)
+    inputs = hf_qwen_inputs(model_dir, prompt, images, add_special_tokens)
     with torch.inference_mode():
         out = model.generate(
             **inputs,

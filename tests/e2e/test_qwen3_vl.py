@@ -72,3 +72,12 @@ def test_batch_of_resolutions_with_chunked_prefill(llm: Any, model_dir: str) -> 
     check_parity(llm, model_dir, cases, MAX_NEW)
     assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
     assert read_metric("vllm_hpu_mm:fallback_buckets_total") == 0
+
+
+def test_prefix_cache_hit(llm: Any, model_dir: str) -> None:
+    # The second request starts after cached blocks that end inside the image:
+    # its M-RoPE positions and deep-stack rows start mid-image.
+    case = (qwen_prompt(1, "Again?"), [make_image("stripes", (64, 48), 7)])
+    check_parity(llm, model_dir, [case], MAX_NEW)
+    (out,) = check_parity(llm, model_dir, [case], MAX_NEW)
+    assert out.num_cached_tokens >= 32, out.num_cached_tokens

@@ -39,7 +39,10 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
     hpu_mm = compiled_with_buckets(
         tmp_path_factory,
         "qwen3_vl",
-        "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n",
+        # The bucket file's two vision buckets (64, 256 patches) instead of the
+        # doubling default: each image here fits one of them.
+        "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n"
+        "vision_patches: [64, 256]\n",
     )
     engine = LLM(
         model=model_dir,

@@ -40,6 +40,11 @@ HF_TO_VLLM: dict[str, tuple[tuple[str, str], ...]] = {
         ("lm_head.", "language_model.lm_head."),
         ("model.visual.", "visual."),
     ),
+    "Qwen3VLForConditionalGeneration": (
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.visual.", "visual."),
+    ),
 }
 # transformers tensors vLLM builds no parameter for: the tiny LLaVA's tower runs
 # up to vision_feature_layer=-2, so its last layer and post-layernorm never run.

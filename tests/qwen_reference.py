@@ -1,12 +1,14 @@
-"""HF transformers reference for the tiny Qwen2.5-VL (float32, CPU, greedy).
+"""HF transformers reference for the tiny Qwen2.5-VL and Qwen3-VL (float32, CPU,
+greedy).
 
-- ``tiny_qwen_dir()``: ``models/tiny-qwen2_5-vl``, built on first use;
+- ``tiny_qwen_dir(name)``: ``models/tiny-qwen2_5-vl`` (or ``tiny-qwen3-vl``),
+  built on first use;
 - ``qwen_prompt(n)``: the one prompt string both vLLM and HF get, with ``n``
   ``<|vision_start|><|image_pad|><|vision_end|>`` placeholders (the processor
   expands each pad to the image's merged-patch count);
 - ``hf_qwen_inputs`` / ``hf_qwen_greedy``: the images-only processor saved with
   the model (PIL image processor, ``vllm_hpu_mm.models.qwen_processor``) and
-  ``Qwen2_5_VLForConditionalGeneration.generate`` (eager attention, eos off).
+  the checkpoint's transformers class's ``generate`` (eager attention, eos off).
 """
 
 from __future__ import annotations
@@ -17,16 +19,24 @@ from typing import Any
 
 import torch
 
-from tests.mm_reference import MODELS_DIR
+from tests.mm_reference import MODELS_DIR, greedy_generate
 from vllm_hpu_mm.tools import tiny_model_specs as specs
 from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
 QWEN_MODEL = "tiny-qwen2_5-vl"
 
 
-def tiny_qwen_dir() -> str:
-    """Path of ``models/tiny-qwen2_5-vl`` (built on first use; kept when current)."""
-    return str(build_tiny_model(MODELS_DIR, QWEN_MODEL))
+def tiny_qwen_dir(name: str = QWEN_MODEL) -> str:
+    """Path of ``models/<name>`` (built on first use; kept when current)."""
+    return str(build_tiny_model(MODELS_DIR, name))
+
+
+def _architecture(model_dir: str) -> str:
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return str(config["architectures"][0])
 
 
 def qwen_prompt(
@@ -44,9 +54,10 @@ def qwen_prompt(
 
 @functools.cache
 def load_hf_qwen(model_dir: str) -> Any:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+    cls = getattr(transformers, _architecture(model_dir))
+    model = cls.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     model.generation_config.eos_token_id = None
@@ -55,23 +66,40 @@ def load_hf_qwen(model_dir: str) -> Any:
 
 @functools.cache
 def load_hf_qwen_processor(model_dir: str) -> Any:
-    from vllm_hpu_mm.models.qwen_processor import Qwen2_5_VLImageProcessor
+    from vllm_hpu_mm.models import qwen_processor
 
-    return Qwen2_5_VLImageProcessor.from_pretrained(model_dir)
+    processors = {
+        "Qwen2_5_VLForConditionalGeneration": qwen_processor.Qwen2_5_VLImageProcessor,
+        "Qwen3VLForConditionalGeneration": qwen_processor.Qwen3VLImageProcessor,
+    }
+    return processors[_architecture(model_dir)].from_pretrained(model_dir)
 
 
-def hf_qwen_inputs(model_dir: str, prompt: str, images: Sequence[Any]) -> Any:
-    """The processor's inputs (BOS prepended, as ``LLM.generate`` tokenizes)."""
+def hf_qwen_inputs(
+    model_dir: str, prompt: str, images: Sequence[Any], add_special_tokens: bool = True
+) -> Any:
+    """The processor's inputs. ``add_special_tokens`` as the vLLM side
+    tokenizes: True (BOS prepended) for ``LLM.generate`` on a text prompt,
+    False for a chat-template rendering (which writes BOS itself)."""
     processor = load_hf_qwen_processor(model_dir)
-    return processor(text=[prompt], images=list(images) or None, return_tensors="pt")
+    return processor(
+        text=[prompt],
+        images=list(images) or None,
+        return_tensors="pt",
+        add_special_tokens=add_special_tokens,
+    )
 
 
 def hf_qwen_greedy(
-    model_dir: str, prompt: str, images: Sequence[Any], max_new_tokens: int
+    model_dir: str,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
 ) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy continuation of exactly ``max_new_tokens`` ids)."""
     model = load_hf_qwen(model_dir)
-    inputs = hf_qwen_inputs(model_dir, prompt, images)
+    inputs = hf_qwen_inputs(model_dir, prompt, images, add_special_tokens)
     with torch.inference_mode():
         out = model.generate(
             **inputs,
@@ -91,3 +119,23 @@ def num_image_tokens(model_dir: str, image: Any) -> int:
     grid = hf_qwen_inputs(model_dir, qwen_prompt(1), [image])["image_grid_thw"]
     merge = specs.QWEN_MERGE_SIZE
     return int(grid.prod()) // merge**2
+
+
+Case = tuple[str, list[Any]]  # (prompt, images in placeholder order)
+
+
+def check_parity(
+    llm: Any, model_dir: str, cases: Sequence[Case], max_new_tokens: int
+) -> list[Any]:
+    """Generate ``cases`` as one batch with ``llm`` (greedy, eos ignored):
+    prompt ids and greedy ids equal HF's. Returns vLLM's outputs."""
+    requests = [
+        {"prompt": p, "multi_modal_data": {"image": ims}} if ims else {"prompt": p}
+        for p, ims in cases
+    ]
+    outputs = greedy_generate(llm, requests, max_new_tokens)
+    for i, ((prompt, images), out) in enumerate(zip(cases, outputs, strict=True)):
+        want_prompt, want = hf_qwen_greedy(model_dir, prompt, images, max_new_tokens)
+        assert list(out.prompt_token_ids) == want_prompt, f"case {i}: prompt ids"
+        assert list(out.outputs[0].token_ids) == want, f"case {i}: {prompt!r}"
+    return outputs

@@ -240,10 +240,11 @@ _Buckets = Annotated[  # a YAML list of positive ints, kept sorted and unique
 
 class ExplicitBuckets(_Section):
     """With `strategy: explicit`, the file named by `bucketing.file` holds three
-    lists. Each list is required and must contain at least one positive integer.
-    Lists are sorted and de-duplicated when loaded. The parsed lists are available
-    as `BucketingConfig.buckets` (an `ExplicitBuckets`), and
-    `load_explicit_buckets(path)` reads such a file on its own."""
+    lists (and an optional fourth, `vision_patches`). Each list must contain at
+    least one positive integer. Lists are sorted and de-duplicated when loaded.
+    The parsed lists are available as `BucketingConfig.buckets` (an
+    `ExplicitBuckets`), and `load_explicit_buckets(path)` reads such a file on its
+    own."""
 
     prefill_tokens: _Buckets
     """Prefill buckets: total prompt tokens in one forward pass."""
@@ -251,6 +252,12 @@ class ExplicitBuckets(_Section):
     """Decode buckets: number of sequences in one decode step."""
     blocks: _Buckets
     """KV-cache block counts, used by both prefill and decode buckets."""
+    vision_patches: _Buckets | None = None
+    """Optional. Image patches in one vision-tower run of a dynamic-resolution
+    model (Qwen2.5-VL, Qwen3-VL); each is rounded up to whole merged tokens (4
+    patches for a 2x2 merge). Runs larger than the largest are split by image; an
+    image larger than it runs unpadded. Unset: powers of two from
+    `vision_min_patches` up to the encoder budget."""
 
 
 class BucketingConfig(_Section):
@@ -278,6 +285,10 @@ class BucketingConfig(_Section):
     """Step between decode batch buckets (strategy `linear`)."""
     block_step: int = Field(default=16, ge=1)
     """Step between KV-cache block-count buckets."""
+    vision_min_patches: int = Field(default=16, ge=1)
+    """Smallest vision patch bucket of a dynamic-resolution model (Qwen2.5-VL,
+    Qwen3-VL): buckets double from it up to the scheduler's encoder budget (in
+    patches), unless the bucket file lists `vision_patches`."""
     fallback_max_pad_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """For a shape that no warmed-up bucket fits: pad it to at most this many times its
     real size. A shape beyond that runs at a new size, compiled on first use."""

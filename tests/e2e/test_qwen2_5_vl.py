@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 from tests.graph_config import compiled_with_buckets
-from tests.mm_reference import engine_lifetime, greedy_generate, make_image
+from tests.mm_reference import engine_lifetime, make_image
 from tests.qwen_reference import (
-    hf_qwen_greedy,
+    Case,
+    check_parity,
     num_image_tokens,
     qwen_prompt,
     tiny_qwen_dir,
@@ -33,7 +34,6 @@ pytestmark = pytest.mark.e2e
 
 MAX_NEW = 8
 BUDGET = 32  # max_num_batched_tokens: smaller than most images' placeholders
-Case = tuple[str, list[Any]]  # (prompt, images in placeholder order)
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +64,7 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
 
 
 def _check(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[Any]:
-    """Generate ``cases`` as one batch: prompt ids and greedy ids equal HF's."""
-    requests = [
-        {"prompt": p, "multi_modal_data": {"image": ims}} if ims else {"prompt": p}
-        for p, ims in cases
-    ]
-    outputs = greedy_generate(llm, requests, MAX_NEW)
-    for i, ((prompt, images), out) in enumerate(zip(cases, outputs, strict=True)):
-        want_prompt, want = hf_qwen_greedy(model_dir, prompt, images, MAX_NEW)
-        assert list(out.prompt_token_ids) == want_prompt, f"case {i}: prompt ids"
-        assert list(out.outputs[0].token_ids) == want, f"case {i}: {prompt!r}"
-    return outputs
+    return check_parity(llm, model_dir, cases, MAX_NEW)
 
 
 def test_image_sizes_give_their_own_token_counts(model_dir: str) -> None:

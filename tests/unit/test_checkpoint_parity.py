@@ -122,6 +122,9 @@ def test_llava_and_mllama_run_the_plugins_classes(probe: Any) -> None:
     assert probe["tiny-qwen2_5-vl"]["vllm_class"] == (
         "vllm_hpu_mm.models.qwen_vl.Qwen2_5_VLForConditionalGeneration"
     )
+    assert probe["tiny-qwen3-vl"]["vllm_class"] == (
+        "vllm_hpu_mm.models.qwen_vl.Qwen3VLForConditionalGeneration"
+    )
 
 
 def test_in_tree_llava_rejects_save_pretrained_layout(probe: Any) -> None:

@@ -466,7 +466,7 @@ def test_to_dict_is_plain() -> None:
 def test_docs_cover_every_key() -> None:
     doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     keys = list(describe_keys())
-    assert len(keys) == 14
+    assert len(keys) == 15
     for info in keys:
         assert f"`{info.key}`" in doc, info.key
     for info in describe_keys(ExplicitBuckets):
@@ -479,6 +479,7 @@ POSITIVE_INTS = [
     ("bucketing", "decode_min_batch"),
     ("bucketing", "decode_step_batch"),
     ("bucketing", "block_step"),
+    ("bucketing", "vision_min_patches"),
     (None, "mm_max_image_pixels"),
 ]
 

@@ -16,6 +16,9 @@ def test_buckets_double_from_four_merged_tokens_to_the_budget() -> None:
     assert patch_buckets(100, 4) == (16, 32, 64, 100)
     assert patch_buckets(2, 4) == (4,)  # at least one merged token
     assert patch_buckets(1001, 4)[-1] == 1004  # rounded up to whole tokens
+    assert patch_buckets(256, 4, min_patches=30) == (32, 64, 128, 256)
+    # A bucket file's list, in whole merged tokens, whatever the budget.
+    assert patch_buckets(256, 4, explicit=[100, 10, 1000, 12]) == (12, 100, 1000)
 
 
 @given(real=st.integers(0, 64), extra=st.integers(0, 64), merge=st.sampled_from([1, 2]))

@@ -6,10 +6,11 @@ Usage::
 
 Writes one directory per spec of ``tiny_model_specs`` (``tiny-llama``,
 ``tiny-mistral``, ``tiny-llava``, ``tiny-llava-released``, ``tiny-idefics3``,
-``tiny-mllama``, ``tiny-qwen2_5-vl``). Every model goes through the same steps:
-the shared tokenizer plus the model's tokens, its config, random weights from its
-seed, then transformers' own ``save_pretrained`` for the model, the generation
-config, the tokenizer and the processor: the checkpoint holds exactly what transformers
+``tiny-mllama``, ``tiny-qwen2_5-vl``, ``tiny-qwen3-vl``). Every model goes
+through the same steps: the shared tokenizer plus the model's tokens, its
+config, random weights from its seed, then transformers' own
+``save_pretrained`` for the model, the generation config, the tokenizer and
+the processor: the checkpoint holds exactly what transformers
 writes. Where released checkpoints lay the tensors out differently (LLaVA's CLIP
 tower), a second spec writes that layout by renaming the saved tensors'
 prefixes. Each build is loaded back with transformers (nothing missing,

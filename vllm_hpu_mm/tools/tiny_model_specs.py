@@ -29,6 +29,9 @@ vision-language models, the tiny Llama as text model. float32 throughout.
   M-RoPE (sections 2/3/3) in a Qwen2 text model of the tiny Llama's sizes; its
   processor is the PIL image processor plus the tokenizer (no video processor:
   transformers' is torchvision-based), saved as ``Qwen2_5_VLProcessor`` files.
+- ``tiny-qwen3-vl``: Qwen3-VL the same way: 4 vision blocks (no windows, learned
+  position embeddings), deep-stack features from blocks 0 and 2 added to the
+  first two decoder layers; Qwen3 text model (q/k norms), interleaved M-RoPE.
 
 A new model (Gemma 3, ...) is one more spec: its config function, the
 tokens it adds, its processor.
@@ -407,7 +410,6 @@ def _qwen2_5_vl_processor(tok: Any) -> Any:
     return _SavedAs(processor, "Qwen2_5_VLProcessor")
 
 
-
 # --- Qwen3-VL -------------------------------------------------------------------
 
 QWEN3_PATCH_SIZE = 4  # as Qwen2.5-VL's tiny tower; the released models use 16
@@ -465,6 +467,7 @@ def _qwen3_vl_processor(tok: Any) -> Any:
         chat_template=tok.chat_template,
     )
     return _SavedAs(processor, "Qwen3VLProcessor")
+
 
 SPECS: tuple[TinyModelSpec, ...] = (
     TinyModelSpec("tiny-llama", 0, "LlamaForCausalLM", _llama_text),
@@ -525,8 +528,12 @@ SPECS: tuple[TinyModelSpec, ...] = (
         seed=500,
         model_class="Qwen3VLForConditionalGeneration",
         config=_qwen3_vl_config,
-        added_tokens=(QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD,
-                      QWEN_VIDEO_PAD),
+        added_tokens=(
+            QWEN_VISION_START,
+            QWEN_VISION_END,
+            QWEN_IMAGE_PAD,
+            QWEN_VIDEO_PAD,
+        ),
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen3_vl_processor,
     ),

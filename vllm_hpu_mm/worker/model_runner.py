@@ -51,6 +51,7 @@ from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 from vllm_hpu_mm.worker.sampling import PromptLogprobs, build_logits_processors
 from vllm_hpu_mm.worker.shapes import ShapePolicy, bucket_set, engine_limits
+from vllm_hpu_mm.worker.vision_buckets import patch_buckets
 from vllm_hpu_mm.worker.warmup import warm_up
 
 logger = logging.getLogger("vllm.hpu_mm.runner")
@@ -141,7 +142,7 @@ class HpuMMModelRunner:
                 self._max_encoder_items(),
                 # M-RoPE models (Qwen2-VL family) take flat patches + grids.
                 dynamic_resolution=self.mrope_channels > 0,
-                max_patches=self._max_encoder_patches(),
+                patch_buckets=self._vision_patch_buckets(),
             )
         logger.info(
             "Loaded %s in %.1f s on %s",
@@ -171,19 +172,28 @@ class HpuMMModelRunner:
             1, min(8, per_prompt * self.vllm_config.scheduler_config.max_num_seqs)
         )
 
-    def _max_encoder_patches(self) -> int:
-        """Most patches of one encoder batch of a dynamic-resolution model: the
-        scheduler's encoder budget (embedding rows) times the patches per row
-        (spatial merge squared); 0 for other models."""
-        if not self.mrope_channels:
-            return 0
+    def _vision_patch_buckets(self) -> tuple[int, ...]:
+        """Patch buckets of a dynamic-resolution vision tower (M-RoPE models):
+        the bucket file's ``vision_patches``, or doubling from
+        ``vision_min_patches`` up to the scheduler's encoder budget (embedding
+        rows) times the patches per row (spatial merge squared). Empty for
+        other models and with bucketing off (the tower then runs unpadded)."""
+        bucketing = self.plugin_config.bucketing
+        if not self.mrope_channels or bucketing.strategy == "off":
+            return ()
         from vllm.multimodal import MULTIMODAL_REGISTRY
         from vllm.multimodal.encoder_budget import MultiModalBudget
 
-        budget = MultiModalBudget(self.vllm_config, MULTIMODAL_REGISTRY)
         vision = getattr(self.model_config.hf_config, "vision_config", None)
-        merge = int(getattr(vision, "spatial_merge_size", 1))
-        return int(budget.encoder_compute_budget) * merge * merge
+        unit = int(getattr(vision, "spatial_merge_size", 1)) ** 2
+        budget = MultiModalBudget(self.vllm_config, MULTIMODAL_REGISTRY)
+        explicit = bucketing.buckets.vision_patches if bucketing.buckets else None
+        return patch_buckets(
+            int(budget.encoder_compute_budget) * unit,
+            unit,
+            bucketing.vision_min_patches,
+            explicit,
+        )
 
     def _graph_mode(self) -> str:
         mode = self.plugin_config.graph_mode

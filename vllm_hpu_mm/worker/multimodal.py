@@ -150,7 +150,7 @@ class EncoderRunner:
         graphs: GraphRunner,
         max_items: int,
         dynamic_resolution: bool = False,
-        max_patches: int = 0,
+        patch_buckets: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.dtype = model_dtype(model)
@@ -167,9 +167,9 @@ class EncoderRunner:
         self.dynamic_resolution = dynamic_resolution
         self.compiled = graphs.mode == "compile" and not dynamic_resolution
         self.patches: PatchBucketEncoder | None = None
-        if dynamic_resolution and supports_patch_buckets(model):
+        if dynamic_resolution and patch_buckets and supports_patch_buckets(model):
             backend = graphs.counter if graphs.mode == "compile" else None
-            self.patches = PatchBucketEncoder(model, max_patches, backend)
+            self.patches = PatchBucketEncoder(model, patch_buckets, backend)
         self._encode = model.embed_multimodal
         if self.compiled:
             self._encode = torch.compile(
@@ -209,13 +209,13 @@ class MultimodalInputs:
         graphs: GraphRunner,
         max_items: int,
         dynamic_resolution: bool = False,
-        max_patches: int = 0,
+        patch_buckets: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache()
         self.encoder = EncoderRunner(
-            model, graphs, max_items, dynamic_resolution, max_patches
+            model, graphs, max_items, dynamic_resolution, patch_buckets
         )
         # Deep-stack models (Qwen3-VL): the encoder rows are [main | L levels]
         # wide; ``embed`` merges the main part and leaves the levels here,
@@ -297,7 +297,9 @@ class MultimodalInputs:
                 rows = rows[:, :hidden]
             embeds.index_copy_(0, dst, rows)
         if deep is not None:
-            self.deepstack = deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
+            self.deepstack = (
+                deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
+            )
         return embeds[:num_tokens], maps
 
     def feed_deepstack(self, start: int, stop: int) -> None:

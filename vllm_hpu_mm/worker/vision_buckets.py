@@ -48,11 +48,25 @@ def supports_patch_buckets(model: Any) -> bool:
     return callable(getattr(visual, "prepare_encoder_metadata", None))
 
 
-def patch_buckets(max_patches: int, unit: int) -> tuple[int, ...]:
-    """Powers of two times ``4 * unit`` patches up to ``max_patches`` (rounded up
-    to a multiple of ``unit``, the patches of one merged token)."""
-    hi = -(-max(max_patches, unit) // unit) * unit
-    return exponential(min(4 * unit, hi), hi)
+def _whole_tokens(patches: int, unit: int) -> int:
+    """``patches`` rounded up to whole merged tokens (``unit`` patches each)."""
+    return -(-max(patches, unit) // unit) * unit
+
+
+def patch_buckets(
+    max_patches: int,
+    unit: int,
+    min_patches: int | None = None,
+    explicit: Sequence[int] | None = None,
+) -> tuple[int, ...]:
+    """Patch buckets, each a multiple of ``unit`` (the patches of one merged
+    token): the ``explicit`` list, or doubling from ``min_patches`` (default 4
+    tokens) up to ``max_patches``."""
+    if explicit:
+        return tuple(sorted({_whole_tokens(p, unit) for p in explicit}))
+    hi = _whole_tokens(max_patches, unit)
+    lo = _whole_tokens(4 * unit if min_patches is None else min_patches, unit)
+    return exponential(min(lo, hi), hi)
 
 
 def padding_grid(num_patches: int, bucket: int, merge: int) -> list[int] | None:
@@ -88,13 +102,13 @@ class PatchBucketEncoder:
     def __init__(
         self,
         model: Any,
-        max_patches: int,
+        buckets: Sequence[int],
         compile_backend: Callable[..., Any] | None,
     ) -> None:
         self.model = model
         self.visual = model.visual
         self.merge: int = self.visual.spatial_merge_size
-        self.buckets = patch_buckets(max_patches, self.merge**2)
+        self.buckets = tuple(buckets)  # ``patch_buckets``: multiples of merge**2
         embed = self.visual.patch_embed
         self.patch_dim = (
             embed.proj.in_channels * embed.temporal_patch_size * embed.patch_size**2

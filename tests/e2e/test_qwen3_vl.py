@@ -1,0 +1,86 @@
+"""vLLM's Qwen3-VL through ``vllm.LLM`` on the plugin: greedy parity with HF.
+
+The Qwen2.5-VL machinery (``test_qwen2_5_vl.py``: M-RoPE positions per request,
+patch-bucketed vision tower, PIL images-only processor) plus Qwen3-VL's deep
+stack: the tower's output rows are the main features followed by one feature
+row per deep-stack level (here 2); the main part is merged into the token
+embeddings, the levels are scattered to the same token rows of a [levels, T, H]
+tensor that the model adds to the outputs of its first decoder layers, handed
+over per pass (a mixed step's decode and prefill passes each get their rows).
+One engine, float32, graph mode, a 32-token step budget (chunks cut images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.graph_config import compiled_with_buckets
+from tests.mm_reference import engine_lifetime, make_image
+from tests.qwen_reference import Case, check_parity, qwen_prompt, tiny_qwen_dir
+from vllm_hpu_mm.metrics_reader import read_metric
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return tiny_qwen_dir("tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from vllm import LLM
+
+    hpu_mm = compiled_with_buckets(
+        tmp_path_factory,
+        "qwen3_vl",
+        # The bucket file's two vision buckets (64, 256 patches) instead of the
+        # doubling default: each image here fits one of them.
+        "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n"
+        "vision_patches: [64, 256]\n",
+    )
+    engine = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        seed=0,
+        limit_mm_per_prompt={"image": 2},
+        additional_config=hpu_mm,
+    )
+    yield from engine_lifetime(engine)
+
+
+def test_one_image(llm: Any, model_dir: str) -> None:
+    case = (qwen_prompt(1), [make_image("gradient", (40, 24))])
+    check_parity(llm, model_dir, [case], MAX_NEW)
+
+
+def test_batch_of_resolutions_with_chunked_prefill(llm: Any, model_dir: str) -> None:
+    cases: list[Case] = [
+        (
+            qwen_prompt(2, "Which is brighter?", preamble="Two: "),
+            [make_image("checkerboard", (64, 48), 1), make_image("stripes", (24, 56))],
+        ),
+        (qwen_prompt(0, "The quick brown fox"), []),
+        (qwen_prompt(1, "Describe it."), [make_image("stripes", (100, 30), 2)]),
+        (qwen_prompt(1), [make_image("solid", (16, 16), 3)]),
+    ]
+    check_parity(llm, model_dir, cases, MAX_NEW)
+    assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
+    assert read_metric("vllm_hpu_mm:fallback_buckets_total") == 0
+
+
+def test_prefix_cache_hit(llm: Any, model_dir: str) -> None:
+    # The second request starts after cached blocks that end inside the image:
+    # its M-RoPE positions and deep-stack rows start mid-image.
+    case = (qwen_prompt(1, "Again?"), [make_image("stripes", (64, 48), 7)])
+    check_parity(llm, model_dir, [case], MAX_NEW)
+    (out,) = check_parity(llm, model_dir, [case], MAX_NEW)
+    assert out.num_cached_tokens >= 32, out.num_cached_tokens

@@ -68,11 +68,9 @@ def load_hf_qwen(model_dir: str) -> Any:
 def load_hf_qwen_processor(model_dir: str) -> Any:
     from vllm_hpu_mm.models import qwen_processor
 
-    processors = {
-        "Qwen2_5_VLForConditionalGeneration": qwen_processor.Qwen2_5_VLImageProcessor,
-        "Qwen3VLForConditionalGeneration": qwen_processor.Qwen3VLImageProcessor,
-    }
-    return processors[_architecture(model_dir)].from_pretrained(model_dir)
+    return qwen_processor.IMAGES_ONLY[_architecture(model_dir)].from_pretrained(
+        model_dir
+    )
 
 
 def hf_qwen_inputs(

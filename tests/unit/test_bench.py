@@ -291,6 +291,9 @@ def _vllm_extra() -> dict[str, Any]:
             "mm_items": 4,
             "distinct_items": 3,
             "runs_per_item": 0.5,
+            "vision_patches": 96,
+            "vision_padding_patches": 32,
+            "vision_padding_pct": 25.0,
         },
         "prefix_cache": {"enabled": True, "queries": 40, "hits": 8, "hit_rate": 0.2},
         "peak_memory": {"device_bytes": 0, "host_rss_bytes": 2**30},
@@ -407,8 +410,15 @@ def test_full_parser_takes_engine_args() -> None:
 # --- encoder figures ----------------------------------------------------------------
 
 
-def _snapshot(runs: int, items: int) -> dict[str, Any]:
-    return {"encoder_runs": runs, "mm_items": items}
+def _snapshot(
+    runs: int, items: int, patches: int = 0, padding: int = 0
+) -> dict[str, Any]:
+    return {
+        "encoder_runs": runs,
+        "mm_items": items,
+        "vision_patches": patches,
+        "vision_padding": padding,
+    }
 
 
 def test_encoder_items_are_the_requests_images() -> None:
@@ -432,6 +442,13 @@ def test_encoder_items_are_the_requests_images() -> None:
         "distinct_items": 2,
         "runs_per_item": 0.4,
         "items_counter": 0,
+        "vision_patches": 0,
+        "vision_padding_patches": 0,
+        "vision_padding_pct": None,
     }
     text_only = _encoder(_snapshot(0, 0), _snapshot(0, 0), [req(), req()])
     assert text_only["mm_items"] == 0 and text_only["runs_per_item"] is None
+    # A patch-bucketed vision tower (Qwen): padding share of the patches run.
+    qwen = _encoder(_snapshot(0, 0, 100, 10), _snapshot(2, 2, 160, 30), [req("a", "b")])
+    assert (qwen["vision_patches"], qwen["vision_padding_patches"]) == (60, 20)
+    assert qwen["vision_padding_pct"] == 25.0

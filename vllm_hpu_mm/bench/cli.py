@@ -222,14 +222,13 @@ def _tokenizer_vocab(tokenizer: Any) -> list[int]:
 
 
 def _image_token(model: str) -> str:
-    from transformers import AutoProcessor
+    from vllm_hpu_mm.models.qwen_processor import image_prompt, load_processor
 
     try:
-        processor = AutoProcessor.from_pretrained(model)
+        processor = load_processor(model)
     except (OSError, ValueError):
         return ds.IMAGE_PLACEHOLDER
-    token = getattr(processor, "image_token", None)
-    return str(token) if token else ds.IMAGE_PLACEHOLDER
+    return image_prompt(processor) or ds.IMAGE_PLACEHOLDER
 
 
 def make_requests(args: argparse.Namespace) -> list[ds.BenchRequest]:

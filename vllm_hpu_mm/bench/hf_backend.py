@@ -88,9 +88,11 @@ class HfRunner:
         self.multimodal = getattr(config, "vision_config", None) is not None
         torch_dtype = getattr(torch, dtype) if dtype not in ("auto", None) else "auto"
         if self.multimodal:
-            from transformers import AutoModelForImageTextToText, AutoProcessor
+            from transformers import AutoModelForImageTextToText
 
-            self.processor = AutoProcessor.from_pretrained(model_path)
+            from vllm_hpu_mm.models.qwen_processor import load_processor
+
+            self.processor = load_processor(model_path)
             self.tokenizer = self.processor.tokenizer
             model = AutoModelForImageTextToText.from_pretrained(
                 model_path, dtype=torch_dtype

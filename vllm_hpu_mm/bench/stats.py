@@ -165,6 +165,9 @@ _VLLM_RESULT: dict[str, Any] = {
         "mm_items": int,  # images in the timed requests
         "distinct_items": int,
         "runs_per_item": _OPT_NUM,
+        "vision_patches": int,  # real patches through a bucketed vision tower
+        "vision_padding_patches": int,
+        "vision_padding_pct": _OPT_NUM,
     },
     "prefix_cache": {
         "enabled": bool,
@@ -258,7 +261,14 @@ def format_report(report: Mapping[str, Any]) -> str:
                 f"fallback steps {pad['fallback_steps']}",
                 f"Encoder: {enc['runs']} runs for {enc['mm_items']} items"
                 + f", {enc['distinct_items']} distinct"
-                + (f" ({per_item:.2f} per item)" if per_item is not None else ""),
+                + (f" ({per_item:.2f} per item)" if per_item is not None else "")
+                + (
+                    f"; vision padding {enc['vision_padding_pct']:.1f} % "
+                    f"({enc['vision_padding_patches']} of "
+                    f"{enc['vision_patches'] + enc['vision_padding_patches']} patches)"
+                    if enc.get("vision_padding_pct") is not None
+                    else ""
+                ),
                 f"Prefix cache ({'on' if pc['enabled'] else 'off'}): "
                 + (f"hit rate {100 * hit:.1f} %" if hit is not None else "no queries")
                 + f" ({pc['hits']} / {pc['queries']} tokens)",

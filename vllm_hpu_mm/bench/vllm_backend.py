@@ -69,6 +69,8 @@ def _plugin_snapshot() -> dict[str, Any]:
         "fallback": plugin_counter(_P + "fallback_buckets_total"),
         "encoder_runs": plugin_counter(_P + "encoder_runs_total"),
         "mm_items": plugin_counter(_P + "mm_items_total"),
+        "vision_patches": plugin_counter(_P + "vision_patches_total"),
+        "vision_padding": plugin_counter(_P + "vision_padding_patches_total"),
         "bucket_padded": plugin_samples(BUCKET_PADDED),
         "bucket_scheduled": plugin_samples(BUCKET_SCHEDULED),
     }
@@ -263,12 +265,20 @@ def _encoder(
     images cached before the batch)."""
     runs = after["encoder_runs"] - before["encoder_runs"]
     items = sum(len(r.images) for r in requests)
+    # Vision towers on patch buckets (Qwen): real and padding patches run.
+    patches = round(after["vision_patches"] - before["vision_patches"])
+    padding = round(after["vision_padding"] - before["vision_padding"])
     return {
         "runs": runs,
         "mm_items": items,
         "distinct_items": len({k for r in requests for k in r.image_keys}),
         "runs_per_item": runs / items if items else None,
         "items_counter": after["mm_items"] - before["mm_items"],
+        "vision_patches": patches,
+        "vision_padding_patches": padding,
+        "vision_padding_pct": 100 * padding / (patches + padding)
+        if patches + padding
+        else None,
     }
 
 

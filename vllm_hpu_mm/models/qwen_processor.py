@@ -60,3 +60,39 @@ class Qwen3VLImageProcessor(Qwen3VLProcessor):
         self.vision_end_token = "<|vision_end|>"
         self.vision_start_token_id = ids(self.vision_start_token)
         self.vision_end_token_id = ids(self.vision_end_token)
+
+
+IMAGES_ONLY: dict[str, type[ProcessorMixin]] = {
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLImageProcessor,
+    "Qwen3VLForConditionalGeneration": Qwen3VLImageProcessor,
+}
+# The text one image stands for in a Qwen prompt (the processor expands the pad
+# to the image's merged-patch count; vLLM's prompt update does the same).
+QWEN_IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def load_processor(model_path: str) -> Any:
+    """transformers' processor of a checkpoint, or, for a Qwen VL checkpoint
+    whose processor needs the torchvision video processor, its images-only twin
+    (``AutoProcessor`` raises OSError there)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_path)
+    except OSError:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        arch = (config.get("architectures") or [""])[0]
+        if arch not in IMAGES_ONLY:
+            raise
+        return IMAGES_ONLY[arch].from_pretrained(model_path)
+
+
+def image_prompt(processor: Any) -> str | None:
+    """The prompt text of one image for ``processor`` (None: it names none)."""
+    if isinstance(processor, tuple(IMAGES_ONLY.values())):
+        return QWEN_IMAGE_PROMPT
+    token = getattr(processor, "image_token", None)
+    return str(token) if token else None

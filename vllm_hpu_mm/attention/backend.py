@@ -82,6 +82,11 @@ class HpuMMAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        # Bidirectional image spans, from the metadata's prefill_tile_span_*.
+        return True
+
+    @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
@@ -117,8 +122,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             raise NotImplementedError(
                 "vllm-hpu-mm attention does not support "
                 + ", ".join(problems)
-                + "; supported: decoder self-attention with MHA/GQA/MQA and "
-                "an optional sliding window"
+                + "; supported: decoder self-attention with MHA/GQA/MQA, "
+                "an optional sliding window and bidirectional image spans"
             )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -162,6 +167,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
                 self.scale,
                 self.sliding_window,
                 sdpa=self.sdpa,
+                span_lo=md.prefill_tile_span_lo,
+                span_hi=md.prefill_tile_span_hi,
             )
         return output
 

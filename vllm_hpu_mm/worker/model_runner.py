@@ -38,6 +38,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.platform_config import is_mm_prefix_lm
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
 from vllm_hpu_mm.worker.graphs import GraphRunner
@@ -99,6 +100,8 @@ class HpuMMModelRunner:
         # set for models whose images are read by cross-attention (Mllama)
         self.cross: CrossAttentionInputs | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Gemma 3: the tokens of one image attend to each other both ways.
+        self.bidirectional_images = is_mm_prefix_lm(vllm_config)
 
     # ---- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -206,6 +209,7 @@ class HpuMMModelRunner:
             self.device,
             self.buffers,
             self.shapes.decode_form,
+            bidirectional_images=self.bidirectional_images,
         )
         hidden, logits = self.forward(batch, states)
         # Sampler rows follow the persistent batch, not the step layout.

@@ -125,6 +125,21 @@ def _keep_images_whole(vllm_config: VllmConfig) -> None:
             "whole (disable_chunked_mm_input)"
         )
     sc.disable_chunked_mm_input = True
+    # vLLM's Gemma 3 placeholders of consecutive images share one token (the
+    # "\n\n" after one and before the next, joined into one): the first image
+    # is still live in the encoder cache when the second is scheduled, so a
+    # cache of one step's budget (vLLM's default; an image may take all of it)
+    # would never admit the second and the request would wait for ever. Two
+    # budgets always hold both.
+    want = 2 * sc.max_num_batched_tokens
+    if sc.encoder_cache_size < want:
+        logger.info(
+            "vllm-hpu-mm: encoder cache %d -> %d embedding rows (2 x "
+            "max_num_batched_tokens: two consecutive whole images)",
+            sc.encoder_cache_size,
+            want,
+        )
+        sc.encoder_cache_size = want
 
 
 def _choose_worker(vllm_config: VllmConfig) -> None:

@@ -188,6 +188,7 @@ def gemma3_config(*, multimodal: bool = True) -> SimpleNamespace:
     )
     cfg.scheduler_config.is_multimodal_model = multimodal
     cfg.scheduler_config.disable_chunked_mm_input = False
+    cfg.scheduler_config.encoder_cache_size = 512
     return cfg
 
 
@@ -198,6 +199,8 @@ def test_gemma3_is_served_with_images_scheduled_whole() -> None:
     _reject_unsupported(cfg)  # type: ignore[arg-type]
     _keep_images_whole(cfg)  # type: ignore[arg-type]
     assert cfg.scheduler_config.disable_chunked_mm_input is True
+    # Two consecutive images fit the encoder cache (they share a token).
+    assert cfg.scheduler_config.encoder_cache_size == 2 * 512
     # A causal model keeps vLLM's setting.
     plain = make_config()
     plain.scheduler_config.disable_chunked_mm_input = False

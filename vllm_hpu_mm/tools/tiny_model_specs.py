@@ -28,7 +28,8 @@ vision-language models, the tiny Llama as text model. float32 throughout.
   alternating sliding-window (12 tokens, shorter than an image) and global
   attention, untied embeddings. Each image is ``\\n\\n<start_of_image>`` + 16
   ``<image_soft_token>`` + ``<end_of_image>\\n\\n``; the soft tokens of one image
-  attend to each other both ways.
+  attend to each other both ways. ``tiny-gemma3-released``: the same weights
+  in the released layout (``vision_tower.vision_model.*``).
 
 A new model (Qwen2.5-VL, ...) is one more spec: its config function, the
 tokens it adds, its processor.
@@ -379,6 +380,26 @@ LLAVA = TinyModelSpec(
     version=2,
 )
 
+GEMMA3 = TinyModelSpec(
+    name="tiny-gemma3",
+    seed=400,
+    model_class="Gemma3ForConditionalGeneration",
+    config=_gemma3_config,
+    added_tokens=(GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_TOKEN),
+    plain_tokens=GEMMA3_NEWLINE_TOKENS,
+    named_tokens=(
+        ("boi_token", GEMMA3_BOI_TOKEN),
+        ("eoi_token", GEMMA3_EOI_TOKEN),
+        ("image_token", GEMMA3_IMAGE_TOKEN),
+    ),
+    chat_template=tk.image_chat_template(GEMMA3_BOI_TOKEN),
+    processor=_gemma3_processor,
+    post_init=randomize_projector,
+)
+# transformers 5 writes the SigLIP tower as ``vision_tower.*``; released Gemma 3
+# checkpoints (and vLLM) say ``vision_tower.vision_model.*``.
+GEMMA3_RELEASED_LAYOUT = (("vision_tower.", "vision_tower.vision_model."),)
+
 SPECS: tuple[TinyModelSpec, ...] = (
     TinyModelSpec("tiny-llama", 0, "LlamaForCausalLM", _llama_text),
     TinyModelSpec(
@@ -419,20 +440,9 @@ SPECS: tuple[TinyModelSpec, ...] = (
         post_init=randomize_gates,
         version=2,
     ),
-    TinyModelSpec(
-        name="tiny-gemma3",
-        seed=400,
-        model_class="Gemma3ForConditionalGeneration",
-        config=_gemma3_config,
-        added_tokens=(GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_TOKEN),
-        plain_tokens=GEMMA3_NEWLINE_TOKENS,
-        named_tokens=(
-            ("boi_token", GEMMA3_BOI_TOKEN),
-            ("eoi_token", GEMMA3_EOI_TOKEN),
-            ("image_token", GEMMA3_IMAGE_TOKEN),
-        ),
-        chat_template=tk.image_chat_template(GEMMA3_BOI_TOKEN),
-        processor=_gemma3_processor,
-        post_init=randomize_projector,
+    GEMMA3,
+    # The same weights, tokenizer and processor in the released layout.
+    replace(
+        GEMMA3, name="tiny-gemma3-released", released_layout=GEMMA3_RELEASED_LAYOUT
     ),
 )

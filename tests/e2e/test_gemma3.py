@@ -61,6 +61,8 @@ def image(name: str) -> Any:
 class Case:
     prompt: str
     images: list[Any] = field(default_factory=list)
+    # False for a chat-template rendering, which writes BOS itself.
+    add_special_tokens: bool = True
 
     def vllm_input(self) -> dict[str, Any]:
         if not self.images:
@@ -101,7 +103,10 @@ def hf_processor(model_dir: str) -> Any:
 def hf_inputs(model_dir: str, c: Case) -> Any:
     assert c.prompt.count(BOI) == len(c.images)
     return hf_processor(model_dir)(
-        text=c.prompt, images=list(c.images) or None, return_tensors="pt"
+        text=c.prompt,
+        images=list(c.images) or None,
+        add_special_tokens=c.add_special_tokens,
+        return_tensors="pt",
     )
 
 

@@ -34,6 +34,7 @@ from vllm_hpu_mm.attention.metadata import (
     exact_shape,
     prefill_context_blocks,
     prefill_tiles,
+    spans_from_doc_ranges,
 )
 from vllm_hpu_mm.multimodal.placeholders import (
     ItemPlacement,
@@ -246,3 +247,62 @@ def test_metadata_carries_spans_only_when_given() -> None:
     assert md.prefill_tile_span_hi.tolist() == [[0, 5, 5, 5, 5, 0]]
     with pytest.raises(ValueError, match=r"spans must be \[7, 2\]"):
         exact_shape(q, seq, 4, spans=spans[:6])
+
+
+def test_vllm_doc_ranges_give_the_same_spans() -> None:
+    """vLLM's ``mm_req_doc_ranges`` (inclusive ranges of ``extract_embeds_range``,
+    what its GPU runner hands attention builders) mean the same spans as the
+    placeholder ranges do, chunk by chunk."""
+    q = np.array([1, 9, 12], np.int64)  # a decode, then two prefill chunks
+    seq = np.array([30, 15, 12], np.int64)
+    items = [
+        (),
+        (image("a", 4, 6), image("b", 13, 4)),  # soft 5..10 and 14..17
+        (image("c", 0, 10),),  # soft 1..10
+    ]
+    chunks = [
+        RequestChunk(int(s - n), int(n), int(r), its)
+        for s, n, r, its in zip(seq, q, np.cumsum(q) - q, items, strict=True)
+    ]
+    want = bidirectional_spans(chunks, int(q.sum()))
+    ranges = {0: [], 1: [(5, 10), (14, 17)], 2: [(1, 10)]}
+    got = spans_from_doc_ranges(ranges, q, seq)
+    assert got is not None
+    assert got.tolist() == want.tolist()
+    assert spans_from_doc_ranges(None, q, seq) is None
+
+
+def test_vllm_metadata_builder_reads_the_doc_ranges() -> None:
+    """The generic builder (vLLM code that builds metadata itself) turns
+    ``CommonAttentionMetadata.mm_req_doc_ranges`` into the same spans."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_hpu_mm.attention.backend import HpuMMAttentionMetadataBuilder
+
+    cm = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 12]),
+        query_start_loc_cpu=torch.tensor([0, 12]),
+        seq_lens=torch.tensor([12]),
+        num_reqs=1,
+        num_actual_tokens=12,
+        max_query_len=12,
+        max_seq_len=12,
+        block_table_tensor=torch.tensor([[1, 2, 3]]),
+        slot_mapping=torch.arange(12) + 4,
+        mm_req_doc_ranges={0: [(1, 10)]},
+    )
+    spec = SimpleNamespace(block_size=4)
+    builder = HpuMMAttentionMetadataBuilder(
+        spec,  # type: ignore[arg-type]
+        ["layer"],
+        None,
+        torch.device("cpu"),
+    )
+    md = builder.build(0, cm)
+    assert md.prefill_tile_span_lo is not None and md.prefill_tile_span_hi is not None
+    lo, hi = md.prefill_tile_span_lo.tolist()[0], md.prefill_tile_span_hi.tolist()[0]
+    assert lo == [0] + [1] * 10 + [0] and hi == [0] + [11] * 10 + [0]
+    cm.mm_req_doc_ranges = None
+    assert builder.build(0, cm).prefill_tile_span_lo is None

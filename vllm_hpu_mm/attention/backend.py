@@ -40,6 +40,7 @@ from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     build_metadata,
     exact_shape,
+    spans_from_doc_ranges,
 )
 
 
@@ -233,12 +234,17 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
         query_lens = np.diff(qsl)
         seq_lens = cm.seq_lens.cpu().numpy().astype(np.int64)
         n = cm.num_actual_tokens
+        # Prefix-LM models (Gemma 3): vLLM's bidirectional image ranges.
+        spans = spans_from_doc_ranges(
+            getattr(cm, "mm_req_doc_ranges", None), query_lens, seq_lens
+        )
         return build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_table=cm.block_table_tensor.cpu().numpy().astype(np.int64),
             slot_mapping=cm.slot_mapping[:n].cpu().numpy().astype(np.int64),
             block_size=self.block_size,
-            shape=exact_shape(query_lens, seq_lens, self.block_size),
+            shape=exact_shape(query_lens, seq_lens, self.block_size, spans=spans),
             device=self.device,
+            spans=spans,
         )

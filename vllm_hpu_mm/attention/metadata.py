@@ -433,6 +433,28 @@ def exact_shape(
     )
 
 
+def spans_from_doc_ranges(
+    ranges: dict[int, list[tuple[int, int]]] | None,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+) -> np.ndarray | None:
+    """[sum(query_lens), 2] per-token spans from vLLM's ``mm_req_doc_ranges``
+    (request index -> inclusive ``(start, end)`` position ranges, as vLLM's
+    GPU runner computes them for prefix-LM models); None without ranges."""
+    if ranges is None:
+        return None
+    out = np.zeros((int(query_lens.sum()), 2), np.int64)
+    first = np.cumsum(query_lens) - query_lens
+    for req, req_ranges in ranges.items():
+        start_pos = int(seq_lens[req] - query_lens[req])
+        for lo, hi in req_ranges:
+            a, b = max(lo, start_pos), min(hi + 1, int(seq_lens[req]))
+            if lo < hi + 1 and a < b:
+                rows = slice(first[req] + a - start_pos, first[req] + b - start_pos)
+                out[rows] = (lo, hi + 1)
+    return out
+
+
 def _prefill_spans(
     query_lens: np.ndarray, num_decodes: int, spans: np.ndarray | None
 ) -> np.ndarray | None:

@@ -306,3 +306,50 @@ def test_vllm_metadata_builder_reads_the_doc_ranges() -> None:
     assert lo == [0] + [1] * 10 + [0] and hi == [0] + [11] * 10 + [0]
     cm.mm_req_doc_ranges = None
     assert builder.build(0, cm).prefill_tile_span_lo is None
+
+
+def test_build_step_carries_the_image_spans_of_bidirectional_models() -> None:
+    """The runner's step: a decode and a prefill chunk with an image whose
+    placeholder (vLLM's ``PlaceholderRange``, ``is_embed`` holes) starts before
+    the chunk; only a bidirectional-image model gets the spans."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    from vllm_hpu_mm.worker.inputs import build_step
+    from vllm_hpu_mm.worker.requests import RequestState
+
+    embed = torch.tensor([False, *[True] * 6, False])  # soft tokens 3..8
+    feature = SimpleNamespace(
+        identifier="img", modality="image", mm_position=PlaceholderRange(2, 8, embed)
+    )
+    decode = RequestState(
+        "d", [1, 2, 3], SamplingParams(), None, [1], 3, output_token_ids=[4]
+    )
+    prefill = RequestState(
+        "p", list(range(10, 22)), SamplingParams(), None, [2, 3, 4], 5, [feature]
+    )
+    q = np.array([1, 7], np.int64)  # decode row 0, prefill positions 5..11
+    states = [decode, prefill]
+    cpu = torch.device("cpu")
+
+    def exact(shape: object, n: int) -> tuple[object, int]:
+        return shape, n
+
+    plain = build_step(["d", "p"], states, q, exact, 4, cpu)  # type: ignore[arg-type]
+    assert plain.attn_metadata.prefill_tile_span_lo is None
+    batch = build_step(
+        ["d", "p"],
+        states,
+        q,
+        exact,  # type: ignore[arg-type]
+        4,
+        cpu,
+        bidirectional_images=True,
+    )
+    md = batch.attn_metadata
+    assert md.prefill_tile_span_lo is not None and md.prefill_tile_span_hi is not None
+    # Positions 5..8 are in the image (span [3, 9)); 9..11 are text.
+    assert md.prefill_tile_span_lo.tolist() == [[3, 3, 3, 3, 0, 0, 0]]
+    assert md.prefill_tile_span_hi.tolist() == [[9, 9, 9, 9, 0, 0, 0]]

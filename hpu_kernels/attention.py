@@ -15,8 +15,9 @@ Each kernel costs what the step's tokens need, not the square of the step:
   added per layer from the positions). Cost ``T x CB x BS`` where ``CB`` is the
   context of a tile's own requests, instead of ``T x`` the whole step's context.
   Chunked prefill with prior context and prefix-cache hits are covered: the
-  context is whatever the blocks hold. The form is batched SDPA (FusedSDPA
-  on HPU takes it).
+  context is whatever the blocks hold. Bidirectional image spans (Gemma 3) add
+  each row's span as a range of its tile's key columns. The form is batched
+  SDPA (FusedSDPA on HPU takes it).
 - ``decode_attention`` (flat paged attention, after the Gaudi plugin's
   ``flat_pa``): the real blocks of every decode request form one flat list
   (``NB`` blocks, bucketed on the total); each block yields softmax partials
@@ -113,6 +114,8 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     sdpa: SdpaFn = F.scaled_dot_product_attention,
+    span_lo: torch.Tensor | None = None,
+    span_hi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of flat prefill tokens, tile by tile, over paged context.
 
@@ -122,6 +125,11 @@ def prefill_attention(
     request, key position <= query position); each padding row keeps key 0;
     tile_query_pos: [NT, tq] position of each row (PAD_QUERY_POS on padding);
     tile_key_pos: [NT, CB * BS] position of each key in its request.
+    span_lo, span_hi: [NT, tq] int64 or None. Bidirectional image spans (Gemma
+    3): a row also attends the key columns ``[span_lo, span_hi)`` of its tile
+    (its image's tokens, later ones included); ``lo == hi`` adds nothing. The
+    sliding window applies after, as in transformers' Gemma 3:
+    ``window AND (causal OR span)``.
     The current tokens' own K/V must already be written (``write_kv``).
     Returns [T, H, D].
     """
@@ -132,6 +140,10 @@ def prefill_attention(
     q = q.view(num_tiles, tile, num_heads, head).transpose(1, 2)  # [NT, H, tq, D]
     keys, values = _gather_blocks(kv_cache, tile_blocks)  # [NT, Hkv, K, D]
     mask = tile_mask
+    if span_lo is not None and span_hi is not None:
+        col = torch.arange(mask.shape[-1], device=mask.device)  # [K]
+        in_span = (col >= span_lo[:, :, None]) & (col < span_hi[:, :, None])
+        mask = mask | in_span  # [NT, tq, K]
     if sliding_window is not None:
         inside = tile_key_pos[:, None, :] > tile_query_pos[:, :, None] - sliding_window
         mask = mask & inside

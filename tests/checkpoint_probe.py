@@ -45,6 +45,13 @@ HF_TO_VLLM: dict[str, tuple[tuple[str, str], ...]] = {
         ("lm_head.", "language_model.lm_head."),
         ("model.visual.", "visual."),
     ),
+    # Same layout (the plugin's subclass of vLLM's Gemma 3 loads it).
+    "Gemma3ForConditionalGeneration": (
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.vision_tower.", "vision_tower.vision_model."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    ),
 }
 # transformers tensors vLLM builds no parameter for: the tiny LLaVA's tower runs
 # up to vision_feature_layer=-2, so its last layer and post-layernorm never run.

@@ -111,9 +111,12 @@ class _HpuMMPlatformBase(Platform):
         attn_selector_config: Any,
         num_heads: int | None = None,
     ) -> str:
+        # use_mm_prefix (bidirectional image spans) is served: the models whose
+        # rule the kernels do not implement are refused at start-up instead
+        # (platform_config._reject_unsupported).
         unsupported = [
             name
-            for name in ("use_mla", "use_sparse", "has_sink", "use_mm_prefix")
+            for name in ("use_mla", "use_sparse", "has_sink")
             if getattr(attn_selector_config, name, False)
         ]
         if unsupported:

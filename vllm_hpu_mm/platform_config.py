@@ -29,6 +29,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     """Check and adapt vLLM's config for the plugin (runs once per process)."""
     plugin_config = _load_plugin_config(vllm_config)  # 1. validate ours first
     _reject_unsupported(vllm_config)  # 2. features we do not implement
+    _keep_images_whole(vllm_config)  # 2b. bidirectional images: never cut one
     _choose_worker(vllm_config)  # 3. our worker, whatever the device
     _set_block_size(vllm_config, device_type)  # 4. KV block size
     _set_scheduling(vllm_config)  # 5. synchronous scheduling (no overlap)
@@ -76,20 +77,69 @@ def _reject_unsupported(vllm_config: VllmConfig) -> None:
     if mc is not None and mc.runner_type != "generate":
         problems.append(f"runner type {mc.runner_type!r} (only 'generate')")
     if mc is not None and getattr(mc, "is_mm_prefix_lm", False):
-        # PaliGemma, Gemma 3 vision...: bidirectional attention over image
-        # placeholders, which the plugin's causal kernels do not implement (the
-        # language layers are built from a text config, so the attention
-        # selector never sees the flag: refuse here instead).
-        problems.append(
-            "prefix-LM multimodal models (bidirectional attention over image "
-            "tokens, e.g. PaliGemma, Gemma 3)"
-        )
+        hf_config = getattr(mc, "hf_config", None)
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        if not set(archs) & BIDIRECTIONAL_IMAGE_MODELS:
+            # PaliGemma, Gemma 4, Molmo 2...: each has its own rule for which
+            # tokens attend both ways; the kernels implement Gemma 3's (the
+            # language layers are built from a text config, so the attention
+            # selector never sees the flag: refuse here instead).
+            problems.append(
+                f"prefix-LM multimodal model {archs} (bidirectional attention "
+                "over image tokens is served for "
+                f"{', '.join(sorted(BIDIRECTIONAL_IMAGE_MODELS))} only)"
+            )
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV transfer connectors (--kv-transfer-config)")
     if problems:
         raise UnsupportedConfigError(
             "vllm-hpu-mm does not support: " + "; ".join(problems) + "."
         )
+
+
+# Prefix-LM multimodal models whose rule (the embedding tokens of one image
+# attend to each other both ways, on top of causal attention, inside the sliding
+# window on local layers) the attention kernels implement.
+BIDIRECTIONAL_IMAGE_MODELS = frozenset({"Gemma3ForConditionalGeneration"})
+
+
+def is_mm_prefix_lm(vllm_config: VllmConfig) -> bool:
+    """Whether the image tokens of this model attend bidirectionally (vLLM's
+    ``is_mm_prefix_lm``, cleared by vLLM when images are disabled)."""
+    mc = vllm_config.model_config
+    return bool(mc is not None and getattr(mc, "is_mm_prefix_lm", False))
+
+
+def _keep_images_whole(vllm_config: VllmConfig) -> None:
+    """Bidirectional image attention needs every token of an image in the
+    same step: a token cannot attend to a key that a later chunk computes. As
+    vLLM's CUDA platform does, turn on ``disable_chunked_mm_input``: chunked
+    prefill then stops before an image that does not fit in the step and puts
+    it whole in the next one (vLLM refuses a budget smaller than one image)."""
+    sc = vllm_config.scheduler_config
+    if not is_mm_prefix_lm(vllm_config) or not sc.is_multimodal_model:
+        return
+    if not sc.disable_chunked_mm_input:
+        logger.info(
+            "vllm-hpu-mm: bidirectional image attention: images are scheduled "
+            "whole (disable_chunked_mm_input)"
+        )
+    sc.disable_chunked_mm_input = True
+    # vLLM's Gemma 3 placeholders of consecutive images share one token (the
+    # "\n\n" after one and before the next, joined into one): the first image
+    # is still live in the encoder cache when the second is scheduled, so a
+    # cache of one step's budget (vLLM's default; an image may take all of it)
+    # would never admit the second and the request would wait for ever. Two
+    # budgets always hold both.
+    want = 2 * sc.max_num_batched_tokens
+    if sc.encoder_cache_size < want:
+        logger.info(
+            "vllm-hpu-mm: encoder cache %d -> %d embedding rows (2 x "
+            "max_num_batched_tokens: two consecutive whole images)",
+            sc.encoder_cache_size,
+            want,
+        )
+        sc.encoder_cache_size = want
 
 
 def _choose_worker(vllm_config: VllmConfig) -> None:

@@ -23,7 +23,7 @@ from tests.fresh_interpreter import run_for_result
 from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models, model_specs
 
 BUILT = list(model_specs())
-MODULE_NAME_LAYOUT = ["tiny-mllama", "tiny-llava"]
+MODULE_NAME_LAYOUT = ["tiny-mllama", "tiny-llava", "tiny-gemma3"]
 
 
 def save_with_module_names(model_dir: Path, out: Path) -> Path:
@@ -46,6 +46,7 @@ def save_with_module_names(model_dir: Path, out: Path) -> Path:
 EXTRA_TENSOR = {
     "tiny-mllama": "vision_model.transformer.layers.0.bogus.weight",
     "tiny-llava": "vision_tower.encoder.layers.0.bogus.weight",
+    "tiny-gemma3": "vision_tower.encoder.layers.0.bogus.weight",
 }
 
 
@@ -125,6 +126,10 @@ def test_llava_and_mllama_run_the_plugins_classes(probe: Any) -> None:
     assert probe["tiny-qwen3-vl"]["vllm_class"] == (
         "vllm_hpu_mm.models.qwen_vl.Qwen3VLForConditionalGeneration"
     )
+    for name in ("tiny-gemma3", "tiny-gemma3-released"):
+        assert probe[name]["vllm_class"] == (
+            "vllm_hpu_mm.models.gemma3.Gemma3ForConditionalGeneration"
+        )
 
 
 def test_in_tree_llava_rejects_save_pretrained_layout(probe: Any) -> None:

@@ -14,6 +14,7 @@ from vllm_hpu_mm.platform_config import (
     DEFAULT_BLOCK_SIZE,
     WORKER_CLS,
     UnsupportedConfigError,
+    _keep_images_whole,
     _reject_unsupported,
     _set_block_size,
     _set_scheduling,
@@ -157,10 +158,14 @@ def test_scheduling_keeps_vllms_choice(
         (
             {
                 "model_config": SimpleNamespace(
-                    runner_type="generate", is_mm_prefix_lm=True
+                    runner_type="generate",
+                    is_mm_prefix_lm=True,
+                    hf_config=SimpleNamespace(
+                        architectures=["PaliGemmaForConditionalGeneration"]
+                    ),
                 )
             },
-            "prefix-LM multimodal models",
+            "prefix-LM multimodal model ['PaliGemmaForConditionalGeneration']",
         ),
         ({"kv_transfer_config": SimpleNamespace()}, "KV transfer"),
     ],
@@ -177,6 +182,36 @@ def test_reject_unsupported(overrides: dict[str, Any], named: str) -> None:
     assert cfg.parallel_config.worker_cls == "auto"
     assert cfg.cache_config.block_size is None
     assert cfg.scheduler_config.async_scheduling is True
+
+
+def gemma3_config(*, multimodal: bool = True) -> SimpleNamespace:
+    cfg = make_config(
+        model_config=SimpleNamespace(
+            runner_type="generate",
+            is_mm_prefix_lm=True,
+            hf_config=SimpleNamespace(architectures=["Gemma3ForConditionalGeneration"]),
+        )
+    )
+    cfg.scheduler_config.is_multimodal_model = multimodal
+    cfg.scheduler_config.disable_chunked_mm_input = False
+    cfg.scheduler_config.encoder_cache_size = 512
+    return cfg
+
+
+def test_gemma3_is_served_with_images_scheduled_whole() -> None:
+    """Gemma 3's bidirectional image attention is implemented: not refused, and
+    chunked prefill never cuts an image (as vLLM's CUDA platform sets it)."""
+    cfg = gemma3_config()
+    _reject_unsupported(cfg)  # type: ignore[arg-type]
+    _keep_images_whole(cfg)  # type: ignore[arg-type]
+    assert cfg.scheduler_config.disable_chunked_mm_input is True
+    # Two consecutive images fit the encoder cache (they share a token).
+    assert cfg.scheduler_config.encoder_cache_size == 2 * 512
+    # A causal model keeps vLLM's setting.
+    plain = make_config()
+    plain.scheduler_config.disable_chunked_mm_input = False
+    _keep_images_whole(plain)  # type: ignore[arg-type]
+    assert plain.scheduler_config.disable_chunked_mm_input is False
 
 
 def test_reject_names_every_problem_at_once() -> None:

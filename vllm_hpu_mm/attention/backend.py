@@ -40,6 +40,7 @@ from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     build_metadata,
     exact_shape,
+    spans_from_doc_ranges,
 )
 
 
@@ -82,6 +83,11 @@ class HpuMMAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        # Bidirectional image spans, from the metadata's prefill_tile_span_*.
+        return True
+
+    @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
@@ -117,8 +123,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             raise NotImplementedError(
                 "vllm-hpu-mm attention does not support "
                 + ", ".join(problems)
-                + "; supported: decoder self-attention with MHA/GQA/MQA and "
-                "an optional sliding window"
+                + "; supported: decoder self-attention with MHA/GQA/MQA, "
+                "an optional sliding window and bidirectional image spans"
             )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -162,6 +168,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
                 self.scale,
                 self.sliding_window,
                 sdpa=self.sdpa,
+                span_lo=md.prefill_tile_span_lo,
+                span_hi=md.prefill_tile_span_hi,
             )
         return output
 
@@ -226,12 +234,17 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
         query_lens = np.diff(qsl)
         seq_lens = cm.seq_lens.cpu().numpy().astype(np.int64)
         n = cm.num_actual_tokens
+        # Prefix-LM models (Gemma 3): vLLM's bidirectional image ranges.
+        spans = spans_from_doc_ranges(
+            getattr(cm, "mm_req_doc_ranges", None), query_lens, seq_lens
+        )
         return build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_table=cm.block_table_tensor.cpu().numpy().astype(np.int64),
             slot_mapping=cm.slot_mapping[:n].cpu().numpy().astype(np.int64),
             block_size=self.block_size,
-            shape=exact_shape(query_lens, seq_lens, self.block_size),
+            shape=exact_shape(query_lens, seq_lens, self.block_size, spans=spans),
             device=self.device,
+            spans=spans,
         )

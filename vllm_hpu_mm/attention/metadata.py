@@ -9,6 +9,13 @@ Index spaces used below:
 - *tiles*: the prefill rows cut into ``NT`` tiles of ``tq`` consecutive rows
   (``tq = min(PREFILL_TILE, num_prefill_tokens)``).
 
+Bidirectional image spans (Gemma 3): ``spans`` arguments below are ``[N, 2]``
+int64, per real token (token order), the positions ``[start, end)`` of the span
+(an image's run of embedding tokens) whose tokens attend to each other both ways,
+on top of causal attention; ``(0, 0)`` outside any span. A prefill tile then
+also shows each request's keys up to the end of its rows' spans, and each row
+carries its span in the tile's key columns (``prefill_tile_span_lo/hi``).
+
 Every tensor has a length fixed by the step's bucket (``StepShape``); padding
 entries are described field by field and never touch a real KV slot. Masks,
 block lists and gather indices are built here once per step (on the host), not
@@ -135,6 +142,13 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     cross: object | None = None
     """Cross-attention inputs of the step (``attention.cross``), for models whose
     images are read by cross-attention layers; None otherwise."""
+    prefill_tile_span_lo: torch.Tensor | None = None
+    """[NT, tq] int64, models with bidirectional image spans only (None
+    otherwise): first key column of the tile (``prefill_blocks * block_size``
+    axis) inside the row's span; 0 on rows outside any span and on padding."""
+    prefill_tile_span_hi: torch.Tensor | None = None
+    """[NT, tq] int64: one past the last key column of the row's span, clipped
+    to the keys computed so far (``lo == hi``: no span)."""
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
@@ -177,10 +191,23 @@ def _prefill_rows(
     return req, pos
 
 
+def _row_reach(
+    row_pos: np.ndarray, row_seq: np.ndarray, spans: np.ndarray | None
+) -> np.ndarray:
+    """[N] last position each prefill row reads: its own, or the last computed
+    position of its bidirectional span (``row_seq``: its request's length
+    after this step; a span never reaches keys not computed yet)."""
+    if spans is None:
+        return row_pos
+    end = np.minimum(spans[:, 1], row_seq)
+    return np.where(spans[:, 1] > spans[:, 0], np.maximum(row_pos, end - 1), row_pos)
+
+
 def _tile_keys(
     row_req: np.ndarray, row_pos: np.ndarray, block_size: int, tq: int
 ) -> list[_TileKeys]:
-    """Per tile of ``tq`` rows: its requests and the blocks each must show."""
+    """Per tile of ``tq`` rows: its requests and the blocks each must show
+    (``row_pos``: the last position each row reads)."""
     out = []
     for start in range(0, row_req.size, tq):
         req, pos = row_req[start : start + tq], row_pos[start : start + tq]
@@ -196,14 +223,17 @@ def prefill_context_blocks(
     seq_lens: np.ndarray,
     block_size: int,
     tile: int = PREFILL_TILE,
+    spans: np.ndarray | None = None,
 ) -> int:
     """Blocks the widest tile reads (the exact ``prefill_blocks``) for prefill
     requests with these query and context lengths (padding only adds tiles
-    with no real rows, so the real tiles are those of ``tile`` rows)."""
+    with no real rows, so the real tiles are those of ``tile`` rows).
+    ``spans``: [sum(query_lens), 2] bidirectional spans of the rows, or None."""
     if query_lens.size == 0:
         return 0
     row_req, row_pos = _prefill_rows(query_lens, seq_lens)
-    return max(t.num_blocks for t in _tile_keys(row_req, row_pos, block_size, tile))
+    reach = _row_reach(row_pos, seq_lens[row_req], spans)
+    return max(t.num_blocks for t in _tile_keys(row_req, reach, block_size, tile))
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +244,8 @@ class PrefillTiles:
     mask: np.ndarray  # [NT, tq, CB * BS] bool
     query_pos: np.ndarray  # [NT, tq] int64
     key_pos: np.ndarray  # [NT, CB * BS] int64
+    span_lo: np.ndarray | None = None  # [NT, tq] int64 key column, or None
+    span_hi: np.ndarray | None = None  # [NT, tq] int64
 
 
 def prefill_tiles(
@@ -224,12 +256,14 @@ def prefill_tiles(
     num_tokens: int,
     num_blocks: int,
     tile: int = PREFILL_TILE,
+    spans: np.ndarray | None = None,
 ) -> PrefillTiles:
     """The prefill tiles of requests with these lengths, padded to
     ``num_tokens`` rows and ``num_blocks`` blocks per tile.
 
     query_lens, seq_lens: [P] of the prefill requests; block_table: [P, >= max
-    blocks] their block ids.
+    blocks] their block ids; spans: [sum(query_lens), 2] the rows' bidirectional
+    spans (positions), or None (then ``span_lo``/``span_hi`` are None).
     """
     num_tiles, tq = tile_rows(num_tokens, tile)
     keys_per_tile = num_blocks * block_size
@@ -239,20 +273,28 @@ def prefill_tiles(
     key_req = np.full((num_tiles, keys_per_tile), -2, np.int64)
     query_pos = np.full(num_tiles * tq, PAD_QUERY_POS, np.int64)
     query_req = np.full(num_tiles * tq, -1, np.int64)
+    span_lo = np.zeros(num_tiles * tq, np.int64)
+    span_hi = np.zeros(num_tiles * tq, np.int64)
     if query_lens.size:
         row_req, row_pos = _prefill_rows(query_lens, seq_lens)
         query_pos[: row_req.size] = row_pos
         query_req[: row_req.size] = row_req
         offsets = np.arange(block_size, dtype=np.int64)
-        for t, tk in enumerate(_tile_keys(row_req, row_pos, block_size, tq)):
+        reach = _row_reach(row_pos, seq_lens[row_req], spans)
+        for t, tk in enumerate(_tile_keys(row_req, reach, block_size, tq)):
             col = 0
             for r, n in zip(tk.reqs, tk.blocks, strict=True):
                 blocks[t, col : col + n] = block_table[r, :n]
-                span = slice(col * block_size, (col + n) * block_size)
-                key_pos[t, span] = (
+                keys = slice(col * block_size, (col + n) * block_size)
+                key_pos[t, keys] = (
                     np.arange(n)[:, None] * block_size + offsets
                 ).ravel()
-                key_req[t, span] = r
+                key_req[t, keys] = r
+                if spans is not None:
+                    _span_columns(
+                        spans, row_req, seq_lens[r], r, t * tq, tq, keys.start,
+                        span_lo, span_hi,
+                    )  # fmt: skip
                 col += n
     q_pos = query_pos.reshape(num_tiles, tq)
     q_req = query_req.reshape(num_tiles, tq)
@@ -261,7 +303,39 @@ def prefill_tiles(
     )
     if keys_per_tile:
         mask[:, :, 0] |= q_req < 0  # a padding row reads key 0 (never NaN)
-    return PrefillTiles(blocks, mask, q_pos, key_pos)
+    if spans is None:
+        return PrefillTiles(blocks, mask, q_pos, key_pos)
+    return PrefillTiles(
+        blocks,
+        mask,
+        q_pos,
+        key_pos,
+        span_lo.reshape(num_tiles, tq),
+        span_hi.reshape(num_tiles, tq),
+    )
+
+
+def _span_columns(
+    spans: np.ndarray,
+    row_req: np.ndarray,
+    seq_len: int,
+    req: int,
+    first_row: int,
+    tq: int,
+    first_col: int,
+    span_lo: np.ndarray,
+    span_hi: np.ndarray,
+) -> None:
+    """Write, for request ``req``'s rows in the tile of rows ``[first_row,
+    first_row + tq)``, their span as key columns of the tile: the request's keys
+    start at column ``first_col`` (key position p at column ``first_col + p``).
+    The span is clipped to the ``seq_len`` keys computed so far."""
+    rows = np.arange(first_row, min(first_row + tq, row_req.size))
+    rows = rows[row_req[rows] == req]
+    start, end = spans[rows, 0], np.minimum(spans[rows, 1], seq_len)
+    has = end > start
+    span_lo[rows] = np.where(has, first_col + start, 0)
+    span_hi[rows] = np.where(has, first_col + end, 0)
 
 
 # --------------------------------------------------------------------------
@@ -338,8 +412,10 @@ def exact_shape(
     block_size: int,
     decode_form: DecodeForm = "flat",
     tile: int = PREFILL_TILE,
+    spans: np.ndarray | None = None,
 ) -> StepShape:
-    """The unpadded StepShape of a batch ordered decodes first."""
+    """The unpadded StepShape of a batch ordered decodes first (``spans``:
+    [sum(query_lens), 2] bidirectional spans of the real tokens, or None)."""
     num_decodes = count_leading_decodes(query_lens)
     blocks = -(-seq_lens // block_size)
     dec = blocks[:num_decodes]
@@ -348,9 +424,49 @@ def exact_shape(
         decode_blocks=int(dec.sum() if decode_form == "flat" else dec.max(initial=0)),
         num_prefill_tokens=int(query_lens[num_decodes:].sum()),
         prefill_blocks=prefill_context_blocks(
-            query_lens[num_decodes:], seq_lens[num_decodes:], block_size, tile
+            query_lens[num_decodes:],
+            seq_lens[num_decodes:],
+            block_size,
+            tile,
+            _prefill_spans(query_lens, num_decodes, spans),
         ),
     )
+
+
+def spans_from_doc_ranges(
+    ranges: dict[int, list[tuple[int, int]]] | None,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+) -> np.ndarray | None:
+    """[sum(query_lens), 2] per-token spans from vLLM's ``mm_req_doc_ranges``
+    (request index -> inclusive ``(start, end)`` position ranges, as vLLM's
+    GPU runner computes them for prefix-LM models); None without ranges."""
+    if ranges is None:
+        return None
+    out = np.zeros((int(query_lens.sum()), 2), np.int64)
+    first = np.cumsum(query_lens) - query_lens
+    for req, req_ranges in ranges.items():
+        start_pos = int(seq_lens[req] - query_lens[req])
+        for lo, hi in req_ranges:
+            a, b = max(lo, start_pos), min(hi + 1, int(seq_lens[req]))
+            if lo < hi + 1 and a < b:
+                rows = slice(first[req] + a - start_pos, first[req] + b - start_pos)
+                out[rows] = (lo, hi + 1)
+    return out
+
+
+def _prefill_spans(
+    query_lens: np.ndarray, num_decodes: int, spans: np.ndarray | None
+) -> np.ndarray | None:
+    """The prefill rows' part of per-token ``spans`` (decode rows come first)."""
+    if spans is None:
+        return None
+    if spans.shape != (int(query_lens.sum()), 2):
+        raise ValueError(
+            f"spans must be [{int(query_lens.sum())}, 2] (one per real token), "
+            f"got {list(spans.shape)}"
+        )
+    return spans[int(query_lens[:num_decodes].sum()) :]
 
 
 def build_metadata(
@@ -364,6 +480,7 @@ def build_metadata(
     buffers: DeviceBuffers | None = None,
     decode_form: DecodeForm = "flat",
     tile: int = PREFILL_TILE,
+    spans: np.ndarray | None = None,
 ) -> HpuMMAttentionMetadata:
     """Build the step's metadata, padded to ``shape``.
 
@@ -372,9 +489,11 @@ def build_metadata(
     block_table: [R, >= max blocks] block ids per request;
     slot_mapping: [sum(query_lens)] slots of the real tokens, in token-row order.
     buffers: when given, the tensors are views of these reused device buffers.
+    spans: [sum(query_lens), 2] bidirectional image spans of the real tokens
+    (models with bidirectional image attention), or None.
     """
     num_dec = count_leading_decodes(query_lens)
-    real = exact_shape(query_lens, seq_lens, block_size, decode_form, tile)
+    real = exact_shape(query_lens, seq_lens, block_size, decode_form, tile, spans)
     check_fits(real, shape)
     n_tok = real.num_prefill_tokens
     dec_seq = np.zeros(shape.num_decodes, np.int64)
@@ -396,6 +515,7 @@ def build_metadata(
         shape.num_prefill_tokens,
         shape.prefill_blocks,
         tile,
+        _prefill_spans(query_lens, num_dec, spans),
     )
     # Slots: decode rows, pad, prefill rows, pad.
     slots = np.full(shape.num_tokens, PAD_SLOT, np.int64)
@@ -424,6 +544,12 @@ def build_metadata(
         prefill_tile_mask=t(tiles.mask, "prefill_tile_mask"),
         prefill_tile_query_pos=t(tiles.query_pos, "prefill_tile_query_pos"),
         prefill_tile_key_pos=t(tiles.key_pos, "prefill_tile_key_pos"),
+        prefill_tile_span_lo=None
+        if tiles.span_lo is None
+        else t(tiles.span_lo, "prefill_tile_span_lo"),
+        prefill_tile_span_hi=None
+        if tiles.span_hi is None
+        else t(tiles.span_hi, "prefill_tile_span_hi"),
     )
 
 
@@ -445,6 +571,12 @@ def split_metadata(
         prefill_tile_mask=empty(md.prefill_tile_mask),
         prefill_tile_query_pos=empty(md.prefill_tile_query_pos),
         prefill_tile_key_pos=empty(md.prefill_tile_key_pos),
+        prefill_tile_span_lo=None
+        if md.prefill_tile_span_lo is None
+        else empty(md.prefill_tile_span_lo),
+        prefill_tile_span_hi=None
+        if md.prefill_tile_span_hi is None
+        else empty(md.prefill_tile_span_hi),
     )
     prefill = dataclasses.replace(
         md,

@@ -6,6 +6,7 @@ from __future__ import annotations
 LLAVA_CLASS = "vllm_hpu_mm.models.llava:LlavaForConditionalGeneration"
 QWEN2_5_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen3VLForConditionalGeneration"
+GEMMA3_CLASS = "vllm_hpu_mm.models.gemma3:Gemma3ForConditionalGeneration"
 
 
 def register_all() -> None:
@@ -14,6 +15,8 @@ def register_all() -> None:
         torchvision_works,
         use_pil_pixtral_image_processor,
         use_pil_qwen2_vl_image_processor,
+        use_pil_gemma3_image_processor,
+        use_pil_pixtral_image_processor,
     )
 
     # vLLM's llava.py imports its Pixtral code, whose transformers image
@@ -21,6 +24,8 @@ def register_all() -> None:
     use_pil_pixtral_image_processor()
     # The same for vLLM's Qwen2-VL family (Qwen2.5-VL, Qwen3-VL).
     use_pil_qwen2_vl_image_processor()
+    # Likewise gemma3_mm.py names the torchvision Gemma 3 image processor.
+    use_pil_gemma3_image_processor()
 
     from vllm import ModelRegistry
 
@@ -37,3 +42,5 @@ def register_all() -> None:
             "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_CLASS
         )
         ModelRegistry.register_model("Qwen3VLForConditionalGeneration", QWEN3_VL_CLASS)
+    # vLLM's Gemma 3, also loading the tower layout transformers 5 writes.
+    ModelRegistry.register_model("Gemma3ForConditionalGeneration", GEMMA3_CLASS)

@@ -88,6 +88,25 @@ def torchvision_works() -> bool:
     return True
 
 
+# vLLM 0.33: gemma3_mm.py imports ``Gemma3ImageProcessor`` from this module (for a
+# type annotation only); in transformers 5 it is the torchvision backend.
+TORCHVISION_GEMMA3_MODULE = "transformers.models.gemma3.image_processing_gemma3"
+PIL_GEMMA3_MODULE = "transformers.models.gemma3.image_processing_pil_gemma3"
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` imports here (any failure, torchvision's ``RuntimeError``
+    or ``OSError`` beside a mismatched torch included, means no)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:
+        sys.modules.pop(module, None)
+        return False
+    return True
+
+
 def use_pil_qwen2_vl_image_processor() -> None:
     """Make ``import vllm.model_executor.models.qwen2_5_vl`` work without torchvision.
 
@@ -116,3 +135,36 @@ def use_pil_qwen2_vl_image_processor() -> None:
     )
     alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
     sys.modules[TORCHVISION_QWEN2_VL_MODULE] = alias
+def use_pil_gemma3_image_processor() -> None:
+    """Make ``import vllm.model_executor.models.gemma3_mm`` work without torchvision.
+
+    Why: vLLM 0.33's ``gemma3_mm.py`` does ``from
+    transformers.models.gemma3.image_processing_gemma3 import
+    Gemma3ImageProcessor`` at its top, and that module imports torchvision in
+    transformers 5. vLLM only reads the processor's pan-and-scan settings through
+    it (the same attributes on the PIL twin, ``Gemma3ImageProcessorPil``, which
+    transformers itself picks when torchvision is missing). This registers, under
+    the torchvision module's name, a module holding the PIL twin's names with
+    ``Gemma3ImageProcessor`` bound to ``Gemma3ImageProcessorPil``; the PIL module
+    itself is left as it is.
+
+    When: from the plugin's model registration, before vLLM imports
+    ``gemma3_mm``. It does nothing when torchvision works, when the real module
+    is already imported, or when it was already called (idempotent).
+
+    When it can go: as for ``use_pil_pixtral_image_processor``.
+    """
+    if TORCHVISION_GEMMA3_MODULE in sys.modules:
+        return
+    if _importable(TORCHVISION_GEMMA3_MODULE):
+        return
+    pil_module = importlib.import_module(PIL_GEMMA3_MODULE)
+    shim = types.ModuleType(
+        TORCHVISION_GEMMA3_MODULE,
+        f"vllm-hpu-mm: {PIL_GEMMA3_MODULE} under the torchvision module's name",
+    )
+    shim.__dict__.update(
+        {k: v for k, v in vars(pil_module).items() if not k.startswith("__")}
+    )
+    shim.Gemma3ImageProcessor = pil_module.Gemma3ImageProcessorPil  # type: ignore[attr-defined]
+    sys.modules[TORCHVISION_GEMMA3_MODULE] = shim

@@ -38,9 +38,11 @@ __all__ = [
     "ItemPlacement",
     "PlaceholderMap",
     "RequestChunk",
+    "bidirectional_spans",
     "build_placeholder_maps",
     "flat_source_rows",
     "needed_items",
+    "request_chunks",
 ]
 
 
@@ -123,6 +125,22 @@ class ItemPlacement:
         k1 = int(np.searchsorted(self._embed_pos, hi, side="left"))
         return k0, k1
 
+    def embed_runs(self) -> list[tuple[int, int]]:
+        """Positions ``[start, end)`` of each run of consecutive embedding
+        positions (one run, the whole placeholder, when is_embed is None)."""
+        if self._embed_pos is None:
+            return [(self.offset, self.end)]
+        pos = self._embed_pos
+        if pos.size == 0:
+            return []
+        cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [pos.size]])
+        return [
+            (self.offset + int(pos[a]), self.offset + int(pos[b - 1]) + 1)
+            for a, b in zip(starts, ends, strict=True)
+        ]
+
     def embed_positions(self, k0: int, k1: int) -> np.ndarray:
         """[k1 - k0] int64 position of each embedding row in ``[k0, k1)``."""
         if self._embed_pos is None:
@@ -142,7 +160,7 @@ class RequestChunk:
     """Token row of position ``chunk_start`` in the step batch."""
     items: tuple[ItemPlacement, ...] = ()
     """The request's items, in prompt order (all of them: those outside the
-    chunk are skipped). Placeholder ranges must not overlap."""
+    chunk are skipped). Their embedding positions must not overlap."""
 
     def __post_init__(self) -> None:
         if self.chunk_start < 0 or self.chunk_len < 0 or self.row_start < 0:
@@ -152,12 +170,15 @@ class RequestChunk:
             )
         items = tuple(self.items)
         object.__setattr__(self, "items", items)
-        spans = sorted((it.offset, it.end, it.key) for it in items)
+        # Placeholders may share positions that take no embedding (vLLM's
+        # Gemma 3 joins the "\n\n" after one image and before the next into
+        # one token that both ranges hold); embedding positions may not.
+        spans = sorted((a, b, it.key) for it in items for a, b in it.embed_runs())
         for (_, a_end, a_key), (b_off, _, b_key) in itertools.pairwise(spans):
             if b_off < a_end:
                 raise ValueError(
-                    f"items {a_key!r} and {b_key!r} overlap: positions up to "
-                    f"{a_end} and from {b_off}"
+                    f"items {a_key!r} and {b_key!r} overlap: embedding positions "
+                    f"up to {a_end} and from {b_off}"
                 )
 
     @property
@@ -334,4 +355,59 @@ def flat_source_rows(
     if m.num_real:
         real = slice(0, m.num_real)
         out[real] = offs[m.src_item[real]] + m.src_row[real]
+    return out
+
+
+def request_chunks(
+    states: Sequence[Any],
+    query_lens: Sequence[int] | np.ndarray,
+    row_starts: Sequence[int] | np.ndarray,
+) -> list[RequestChunk]:
+    """The step's chunks of the requests that have multimodal items.
+
+    states: objects with ``num_computed_tokens`` and ``mm_features`` (vLLM's
+    ``MultiModalFeatureSpec``: ``identifier``, ``modality``, ``mm_position``),
+    in batch order; query_lens: tokens each computes this step; row_starts: the
+    row (in whatever row space the caller uses) of each request's first token.
+    """
+    return [
+        RequestChunk(
+            chunk_start=int(s.num_computed_tokens),
+            chunk_len=int(n),
+            row_start=int(r),
+            items=tuple(
+                ItemPlacement.from_range(f.identifier, f.modality, f.mm_position)
+                for f in s.mm_features
+            ),
+        )
+        for s, n, r in zip(states, query_lens, row_starts, strict=True)
+        if s.mm_features
+    ]
+
+
+def bidirectional_spans(chunks: Sequence[RequestChunk], num_rows: int) -> np.ndarray:
+    """[num_rows, 2] int64: for each row, the positions ``[start, end)`` of the
+    bidirectional span holding its token, ``(0, 0)`` for a row in none.
+
+    A span is one run of consecutive embedding positions of one item (Gemma 3:
+    an image's soft tokens; its ``<start_of_image>`` and ``<end_of_image>``
+    tokens are text and stay causal), as transformers' ``token_type_ids``
+    blocks mark them. A span may reach past the chunk (a later chunk computes
+    the rest); the attention metadata clips it to the keys computed so far.
+    """
+    out = np.zeros((num_rows, 2), np.int64)
+    _check_rows_disjoint(chunks)
+    for ch in chunks:
+        shift = ch.row_start - ch.chunk_start  # position -> row
+        for item in ch.items:
+            for start, end in item.embed_runs():
+                lo, hi = max(start, ch.chunk_start), min(end, ch.chunk_end)
+                if lo >= hi:
+                    continue
+                if hi + shift > num_rows:
+                    raise ValueError(
+                        f"item {item.key!r}: rows up to {hi + shift} but the step "
+                        f"has {num_rows}"
+                    )
+                out[lo + shift : hi + shift] = (start, end)
     return out

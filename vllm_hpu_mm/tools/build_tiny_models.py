@@ -6,11 +6,12 @@ Usage::
 
 Writes one directory per spec of ``tiny_model_specs`` (``tiny-llama``,
 ``tiny-mistral``, ``tiny-llava``, ``tiny-llava-released``, ``tiny-idefics3``,
-``tiny-mllama``, ``tiny-qwen2_5-vl``, ``tiny-qwen3-vl``). Every model goes
-through the same steps: the shared tokenizer plus the model's tokens, its
-config, random weights from its seed, then transformers' own
-``save_pretrained`` for the model, the generation config, the tokenizer and
-the processor: the checkpoint holds exactly what transformers
+``tiny-mllama``, ``tiny-qwen2_5-vl``, ``tiny-qwen3-vl``, ``tiny-gemma3``,
+``tiny-gemma3-released``). Every model goes through the same steps: the shared
+tokenizer plus the model's tokens, its config, random weights from its seed,
+then transformers' own ``save_pretrained`` for the model, the generation
+config, the tokenizer and the processor: the checkpoint holds exactly what
+transformers
 writes. Where released checkpoints lay the tensors out differently (LLaVA's CLIP
 tower), a second spec writes that layout by renaming the saved tensors'
 prefixes. Each build is loaded back with transformers (nothing missing,
@@ -49,7 +50,12 @@ def init_model(spec: TinyModelSpec) -> tuple[Any, Any]:
     import torch
     import transformers
 
-    tok = tk.build_tokenizer(spec.added_tokens, spec.chat_template)
+    tok = tk.build_tokenizer(
+        spec.added_tokens,
+        spec.chat_template,
+        plain_tokens=spec.plain_tokens,
+        named_tokens=dict(spec.named_tokens),
+    )
     config = spec.config(tok)
     random.seed(spec.seed)
     torch.manual_seed(spec.seed)

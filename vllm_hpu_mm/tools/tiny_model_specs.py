@@ -32,8 +32,15 @@ vision-language models, the tiny Llama as text model. float32 throughout.
 - ``tiny-qwen3-vl``: Qwen3-VL the same way: 4 vision blocks (no windows, learned
   position embeddings), deep-stack features from blocks 0 and 2 added to the
   first two decoder layers; Qwen3 text model (q/k norms), interleaved M-RoPE.
+- ``tiny-gemma3``: Gemma 3 (``Gemma3ForConditionalGeneration``): a SigLIP tower
+  (32x32 images, 4x4 patches, average-pooled to 16 soft tokens), four text layers
+  alternating sliding-window (12 tokens, shorter than an image) and global
+  attention, untied embeddings. Each image is ``\\n\\n<start_of_image>`` + 16
+  ``<image_soft_token>`` + ``<end_of_image>\\n\\n``; the soft tokens of one image
+  attend to each other both ways. ``tiny-gemma3-released``: the same weights
+  in the released layout (``vision_tower.vision_model.*``).
 
-A new model (Gemma 3, ...) is one more spec: its config function, the
+A new model is one more spec: its config function, the
 tokens it adds, its processor.
 """
 
@@ -55,6 +62,9 @@ class TinyModelSpec:
     model_class: str  # transformers class, instantiated from ``config``
     config: Callable[[Any], Any]  # tokenizer -> transformers config
     added_tokens: tuple[str, ...] = ()  # special tokens added to the shared ones
+    plain_tokens: tuple[str, ...] = ()  # whole-string tokens that are not special
+    # (attribute, token) pairs the tokenizer exposes (``tokenizer.boi_token``)
+    named_tokens: tuple[tuple[str, str], ...] = ()
     chat_template: str = tk.CHAT_TEMPLATE
     processor: Callable[[Any], Any] | None = None  # tokenizer -> processor
     post_init: Callable[[Any, int], None] | None = None  # (model, seed) after init
@@ -292,6 +302,80 @@ def randomize_gates(model: Any, seed: int) -> None:
                 param.copy_(mag * sign)
 
 
+# --- Gemma 3 ---------------------------------------------------------------------
+
+GEMMA3_BOI_TOKEN = "<start_of_image>"
+GEMMA3_EOI_TOKEN = "<end_of_image>"
+GEMMA3_IMAGE_TOKEN = "<image_soft_token>"
+GEMMA3_IMAGE_SIZE = 32
+GEMMA3_PATCH_SIZE = 4  # 8x8 patches, pooled 2x2 -> 16 soft tokens
+GEMMA3_NUM_IMAGE_TOKENS = 16
+GEMMA3_SLIDING_WINDOW = 12  # shorter than an image's 16 soft tokens
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention") * 2
+# Gemma 3's vocabulary has these as single tokens; vLLM's Gemma 3 processor looks
+# them up (it re-joins the newlines around an image the way the tokenizer would).
+GEMMA3_NEWLINE_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+
+def _gemma3_config(tok: Any) -> Any:
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    ids = tok.convert_tokens_to_ids
+    vision = SiglipVisionConfig(  # type: ignore[call-arg]  # vision_use_head
+        image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH_SIZE, num_channels=3,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+        vision_use_head=False, dtype="float32",
+    )  # fmt: skip
+    text = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=len(GEMMA3_LAYER_TYPES), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=GEMMA3_SLIDING_WINDOW, layer_types=list(GEMMA3_LAYER_TYPES),
+        max_position_embeddings=2048, initializer_range=0.25, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, **_special_ids(tok), dtype="float32",
+    )  # fmt: skip
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_NUM_IMAGE_TOKENS,
+        boi_token_index=ids(GEMMA3_BOI_TOKEN),
+        eoi_token_index=ids(GEMMA3_EOI_TOKEN),
+        image_token_index=ids(GEMMA3_IMAGE_TOKEN),
+        # Untied (released Gemma 3 ties them): with random tied embeddings the
+        # greedy next token is mostly the current one again.
+        tie_word_embeddings=False,
+        architectures=["Gemma3ForConditionalGeneration"],
+        dtype="float32",
+    )
+
+
+def _gemma3_processor(tok: Any) -> Any:
+    """``Gemma3Processor`` around the PIL image processor (no pan and scan)."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    size = {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE}
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size=size, do_pan_and_scan=False),
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+        image_seq_length=GEMMA3_NUM_IMAGE_TOKENS,
+    )
+    assert len(tok) == len(processor.tokenizer), "the processor added tokens"
+    return processor
+
+
+def randomize_projector(model: Any, seed: int) -> None:
+    """Gemma 3 starts its image projection at zero (every image would embed
+    as 0): give it random weights of the text model's spread."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    proj = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        proj.copy_(torch.randn(proj.shape, generator=gen) * 0.25)
+
+
 # --- the table ------------------------------------------------------------------
 
 LLAVA = TinyModelSpec(
@@ -469,6 +553,26 @@ def _qwen3_vl_processor(tok: Any) -> Any:
     return _SavedAs(processor, "Qwen3VLProcessor")
 
 
+GEMMA3 = TinyModelSpec(
+    name="tiny-gemma3",
+    seed=400,
+    model_class="Gemma3ForConditionalGeneration",
+    config=_gemma3_config,
+    added_tokens=(GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_TOKEN),
+    plain_tokens=GEMMA3_NEWLINE_TOKENS,
+    named_tokens=(
+        ("boi_token", GEMMA3_BOI_TOKEN),
+        ("eoi_token", GEMMA3_EOI_TOKEN),
+        ("image_token", GEMMA3_IMAGE_TOKEN),
+    ),
+    chat_template=tk.image_chat_template(GEMMA3_BOI_TOKEN),
+    processor=_gemma3_processor,
+    post_init=randomize_projector,
+)
+# transformers 5 writes the SigLIP tower as ``vision_tower.*``; released Gemma 3
+# checkpoints (and vLLM) say ``vision_tower.vision_model.*``.
+GEMMA3_RELEASED_LAYOUT = (("vision_tower.", "vision_tower.vision_model."),)
+
 SPECS: tuple[TinyModelSpec, ...] = (
     TinyModelSpec("tiny-llama", 0, "LlamaForCausalLM", _llama_text),
     TinyModelSpec(
@@ -536,5 +640,10 @@ SPECS: tuple[TinyModelSpec, ...] = (
         ),
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen3_vl_processor,
+    ),
+    GEMMA3,
+    # The same weights, tokenizer and processor in the released layout.
+    replace(
+        GEMMA3, name="tiny-gemma3-released", released_layout=GEMMA3_RELEASED_LAYOUT
     ),
 )

@@ -7,7 +7,7 @@ on top, after the shared ones, so that the shared ids are the same everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 VOCAB_SIZE = 640  # BPE target; the trained vocabulary ends up at most this size
@@ -74,10 +74,19 @@ CORPUS = [
 
 
 def build_tokenizer(
-    added_tokens: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE
+    added_tokens: Sequence[str] = (),
+    chat_template: str = CHAT_TEMPLATE,
+    plain_tokens: Sequence[str] = (),
+    named_tokens: Mapping[str, str] | None = None,
 ) -> Any:
     """Train the tokenizer, wrap it as a fast HF tokenizer, add ``added_tokens``
-    (special, not normalised) and set ``chat_template``."""
+    (special, not normalised), then ``plain_tokens`` (whole-string tokens that are
+    not special: decoding keeps them), and set ``chat_template``.
+
+    ``named_tokens``: attribute name -> token (``{"boi_token": "<start_of_image>"}``),
+    saved as the tokenizer's ``extra_special_tokens``: processors read
+    ``tokenizer.boi_token`` / ``tokenizer.boi_token_id``. Each must be one of
+    ``added_tokens``."""
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -106,6 +115,10 @@ def build_tokenizer(
         pair=f"{BOS} $A {BOS} $B",
         special_tokens=[(BOS, tok.token_to_id(BOS))],
     )
+    named = dict(named_tokens or {})
+    unknown = sorted(set(named.values()) - set(added_tokens))
+    assert not unknown, f"named tokens not among the added tokens: {unknown}"
+    extra: dict[str, Any] = {"extra_special_tokens": named} if named else {}
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -114,12 +127,24 @@ def build_tokenizer(
         additional_special_tokens=[EOS, START_HEADER, END_HEADER],
         model_max_length=2048,
         clean_up_tokenization_spaces=False,
+        **extra,
     )
-    added = hf_tok.add_tokens(
+    base = tok.get_vocab_size()
+    hf_tok.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in added_tokens],
         special_tokens=True,
     )
-    assert added == len(added_tokens), f"tokens already known: {added_tokens}"
+    # New ids, one each (named tokens were registered by the constructor already).
+    ids = hf_tok.convert_tokens_to_ids(list(added_tokens))
+    new_ids = set(ids if isinstance(ids, list) else [ids])
+    assert len(new_ids) == len(added_tokens) and min(new_ids, default=base) >= base, (
+        f"tokens already known: {added_tokens}"
+    )
+    if plain_tokens:
+        added = hf_tok.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t in plain_tokens]
+        )
+        assert added == len(plain_tokens), f"tokens already known: {plain_tokens}"
     hf_tok.chat_template = chat_template
     return hf_tok
 

@@ -31,6 +31,7 @@ from vllm_hpu_mm.attention.metadata import (
     split_metadata,
     token_row_of_real_tokens,
 )
+from vllm_hpu_mm.multimodal.placeholders import bidirectional_spans, request_chunks
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.mrope import gather_mrope
 from vllm_hpu_mm.worker.requests import RequestState
@@ -110,15 +111,23 @@ def build_step(
     device: torch.device,
     buffers: DeviceBuffers | None = None,
     decode_form: DecodeForm = "flat",
+    bidirectional_images: bool = False,
 ) -> StepBatch:
     """Gather, choose the bucket and pad.
 
     ``shape_for(exact_shape, num_reqs) -> (padded shape, padded batch)``.
+    ``bidirectional_images``: the model's image tokens attend to each other
+    both ways (Gemma 3); the attention metadata then carries their spans.
     """
     token_ids, positions, slots, seq_lens, block_table = gather_step(
         states, query_lens, block_size
     )
-    exact = exact_shape(query_lens, seq_lens, block_size, decode_form)
+    spans = None
+    if bidirectional_images:
+        first_token = np.cumsum(query_lens) - query_lens  # in real-token order
+        chunks = request_chunks(states, query_lens, first_token)
+        spans = bidirectional_spans(chunks, int(query_lens.sum()))
+    exact = exact_shape(query_lens, seq_lens, block_size, decode_form, spans=spans)
     shape, batch_rows = shape_for(exact, len(req_ids))
     check_fits(exact, shape)  # before any padded array is filled
     if batch_rows < len(req_ids):
@@ -148,6 +157,7 @@ def build_step(
         device,
         buffers,
         decode_form,
+        spans=spans,
     )
 
     def t(a: np.ndarray, name: str) -> torch.Tensor:

@@ -39,6 +39,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.platform_config import is_mm_prefix_lm
 from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
@@ -111,6 +112,8 @@ class HpuMMModelRunner:
         self.mrope_channels: int = (
             self.model_config.mrope_num_dims if self.model_config.uses_mrope else 0
         )
+        # Gemma 3: the tokens of one image attend to each other both ways.
+        self.bidirectional_images = is_mm_prefix_lm(vllm_config)
 
     def zero_positions(self, num_tokens: int) -> np.ndarray:
         """Positions of ``num_tokens`` padding rows: [T], or [channels, T]."""
@@ -256,6 +259,7 @@ class HpuMMModelRunner:
             self.device,
             self.buffers,
             self.shapes.decode_form,
+            bidirectional_images=self.bidirectional_images,
         )
         if self._last_tokens is not None:
             # Tokens sampled last step enter as placeholders; their ids come

@@ -44,6 +44,8 @@ def _padding_only_step(runner: HpuMMModelRunner, shape: StepShape) -> None:
         runner.device,
         runner.buffers,
         runner.shapes.decode_form,
+        # A bidirectional-image model's steps always carry (possibly empty) spans.
+        spans=np.zeros((0, 2), np.int64) if runner.bidirectional_images else None,
     )
     # Distinct buffers, as in serving: Dynamo guards on aliasing, so one
     # tensor passed twice would compile a graph that serving never reuses.

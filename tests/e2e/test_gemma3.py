@@ -1,0 +1,276 @@
+"""Offline ``vllm.LLM`` on the plugin with Gemma 3 (vLLM's in-tree
+``Gemma3ForConditionalGeneration``): greedy parity with HF transformers, whose
+Gemma 3 lets the soft tokens of one image attend to each other both ways.
+
+The model is ``models/tiny-gemma3`` (``vllm_hpu_mm.tools.build_tiny_models``):
+SigLIP tower pooled to 16 soft tokens per image, four text layers alternating a
+12-token sliding window (shorter than an image) and global attention. Each
+``<start_of_image>`` of the prompt becomes ``\\n\\n<start_of_image>`` + 16
+``<image_soft_token>`` + ``<end_of_image>\\n\\n``; HF marks the soft tokens with
+``token_type_ids`` and masks global layers with ``causal OR same image`` and
+sliding layers with ``window AND (causal OR same image)``.
+
+One engine for the module, with a 24-token step budget: prompts are chunked
+over several steps, shared with other requests' chunks and decodes. An image
+whose placeholders would straddle a step boundary is scheduled whole in the next
+step (``disable_chunked_mm_input``, set by the platform as vLLM's CUDA platform
+does): a token cannot attend to keys a later step computes. A prefix-cache hit
+may still end inside an image; the rest of the image then sees the cached part.
+Both sides get the same prompt text; vLLM must report HF's prompt ids. Greedy,
+``ignore_eos``, 10 new tokens, float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.mm_reference import engine_lifetime, greedy_generate, make_image
+from vllm_hpu_mm.tools import tiny_model_specs as specs
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 10
+# Tokens per step: more than one image's 20 placeholder ids, fewer than two.
+# Consecutive images share their "\n\n\n\n" token, so the first is still live
+# in the encoder cache when the second is scheduled; with vLLM's cache of one
+# budget the second would never be admitted (the platform doubles the cache).
+BUDGET = 24
+MAX_NUM_SEQS = 4
+BOI = specs.GEMMA3_BOI_TOKEN
+SOFT = specs.GEMMA3_NUM_IMAGE_TOKENS
+# "\n\n<start_of_image>" + 16 soft tokens + "<end_of_image>\n\n"
+PLACEHOLDER_IDS = SOFT + 4
+
+
+def image(name: str) -> Any:
+    kind, size, variant = {
+        "gradient": ("gradient", (40, 24), 0),
+        "checker": ("checkerboard", (24, 40), 1),
+        "stripes": ("stripes", (64, 48), 2),
+        "solid": ("solid", (32, 32), 3),
+    }[name]
+    return make_image(kind, size, variant)
+
+
+@dataclass
+class Case:
+    prompt: str
+    images: list[Any] = field(default_factory=list)
+    # False for a chat-template rendering, which writes BOS itself.
+    add_special_tokens: bool = True
+
+    def vllm_input(self) -> dict[str, Any]:
+        if not self.images:
+            return {"prompt": self.prompt}
+        return {"prompt": self.prompt, "multi_modal_data": {"image": self.images}}
+
+
+def case(question: str, *names: str, preamble: str = "") -> Case:
+    """``USER: <preamble><start_of_image>...question ASSISTANT:``."""
+    images = BOI * len(names)
+    return Case(
+        f"USER: {preamble}{images}{question} ASSISTANT:", [image(n) for n in names]
+    )
+
+
+# --- HF reference ---------------------------------------------------------------
+
+
+@functools.cache
+def hf_model(model_dir: str) -> Any:
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None  # vLLM runs with ignore_eos
+    return model
+
+
+@functools.cache
+def hf_processor(model_dir: str) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def hf_inputs(model_dir: str, c: Case) -> Any:
+    assert c.prompt.count(BOI) == len(c.images)
+    return hf_processor(model_dir)(
+        text=c.prompt,
+        images=list(c.images) or None,
+        add_special_tokens=c.add_special_tokens,
+        return_tensors="pt",
+    )
+
+
+def hf_prompt_ids(model_dir: str, c: Case) -> list[int]:
+    return hf_inputs(model_dir, c)["input_ids"][0].tolist()
+
+
+def hf_greedy(model_dir: str, c: Case, bidirectional: bool = True) -> list[int]:
+    """HF's greedy ids; ``bidirectional=False`` drops ``token_type_ids`` (plain
+    causal attention over the images: what a causal-only kernel would match)."""
+    import torch
+
+    model = hf_model(model_dir)
+    inputs = dict(hf_inputs(model_dir, c))
+    if not bidirectional:
+        inputs.pop("token_type_ids", None)
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=None,
+            pad_token_id=model.config.text_config.pad_token_id,
+        )
+    generated = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(generated) == MAX_NEW
+    return generated
+
+
+def soft_token_runs(ids: Sequence[int], soft_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of image soft tokens."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != soft_id:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+# --- engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from tests.conftest import _tiny_model_dir
+
+    return _tiny_model_dir("tiny-gemma3")
+
+
+@pytest.fixture(scope="module")
+def soft_id(model_dir: str) -> int:
+    return int(hf_processor(model_dir).tokenizer.image_token_id)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> Iterator[Any]:
+    from vllm import LLM
+
+    engine = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BUDGET,
+        limit_mm_per_prompt={"image": 2},
+        seed=0,
+    )
+    yield from engine_lifetime(engine)
+
+
+def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[Any]:
+    """Generate ``cases`` as one batch: prompt ids and greedy ids equal HF's."""
+    outputs = greedy_generate(llm, [c.vllm_input() for c in cases], MAX_NEW)
+    problems = []
+    for i, (c, out) in enumerate(zip(cases, outputs, strict=True)):
+        want_prompt = hf_prompt_ids(model_dir, c)
+        if list(out.prompt_token_ids) != want_prompt:
+            problems.append(
+                f"case {i} ({len(c.images)} images): prompt ids differ\n"
+                f"  vllm: {list(out.prompt_token_ids)}\n  hf:   {want_prompt}"
+            )
+            continue
+        got, want = list(out.outputs[0].token_ids), hf_greedy(model_dir, c)
+        if got != want:
+            problems.append(
+                f"case {i} ({len(c.images)} images, prompt len {len(want_prompt)}): "
+                f"greedy ids differ\n  vllm: {got}\n  hf:   {want}"
+            )
+    assert not problems, "vLLM != HF:\n" + "\n".join(problems)
+    return outputs
+
+
+# --- tests ----------------------------------------------------------------------
+
+
+def test_images_are_scheduled_whole(llm: Any) -> None:
+    from vllm.platforms import current_platform
+
+    assert type(current_platform).__module__.startswith("vllm_hpu_mm.")
+    config = llm.llm_engine.vllm_config
+    assert config.model_config.is_mm_prefix_lm
+    assert config.scheduler_config.disable_chunked_mm_input
+
+
+def test_text_only(llm: Any, model_dir: str, soft_id: int) -> None:
+    c = case("What is the capital of France?")
+    assert soft_token_runs(hf_prompt_ids(model_dir, c), soft_id) == []
+    check_parity(llm, model_dir, [c])
+
+
+def test_one_image_across_a_step_boundary(
+    llm: Any, model_dir: str, soft_id: int
+) -> None:
+    """The image's placeholders would straddle the first 24-token step: it is
+    computed whole in the second; bidirectional attention changes the output
+    (HF with causal image attention gives other tokens)."""
+    c = case("Describe the picture.", "gradient", preamble="Look at this: ")
+    ids = hf_prompt_ids(model_dir, c)
+    ((start, end),) = soft_token_runs(ids, soft_id)
+    assert end - start == SOFT
+    assert start < BUDGET < end, (start, end)
+    (out,) = check_parity(llm, model_dir, [c])
+    assert list(out.outputs[0].token_ids) != hf_greedy(
+        model_dir, c, bidirectional=False
+    ), "this case does not tell bidirectional from causal image attention"
+
+
+def test_two_images(llm: Any, model_dir: str, soft_id: int) -> None:
+    """Two consecutive images, 40 placeholder ids at a 24-token budget: each is
+    scheduled whole in its own step (this hung with a one-budget encoder cache)."""
+    c = case("What differs between them?", "checker", "stripes")
+    runs = soft_token_runs(hf_prompt_ids(model_dir, c), soft_id)
+    assert [e - s for s, e in runs] == [SOFT, SOFT], runs
+    check_parity(llm, model_dir, [c])
+
+
+def test_batch_of_mixed_prompts(llm: Any, model_dir: str) -> None:
+    """Text, one and two images, in one batch: chunks of several requests and
+    decodes share steps."""
+    cases = [
+        case("What is in this image?", "solid"),
+        case("Please answer in a single clear sentence."),
+        case("Compare the two pictures.", "gradient", "checker"),
+        case("What is in this image?", "stripes", preamble="Here: "),
+    ]
+    outputs = check_parity(llm, model_dir, cases)
+    # Same question, different images: the image features reach the logits.
+    assert outputs[0].outputs[0].token_ids != outputs[3].outputs[0].token_ids
+
+
+def test_prefix_cache_hit_inside_an_image(
+    llm: Any, model_dir: str, soft_id: int
+) -> None:
+    """A second prompt sharing text and image with a first one reuses the first's
+    cached blocks up to a block boundary inside the image: the image's remaining
+    tokens attend to the cached part and to each other."""
+    preamble = "Please look at the next picture. "
+    first = case("Describe it.", "checker", preamble=preamble)
+    second = case("What colour is it?", "checker", preamble=preamble)
+    ((start, end),) = soft_token_runs(hf_prompt_ids(model_dir, second), soft_id)
+    check_parity(llm, model_dir, [first])
+    (out,) = check_parity(llm, model_dir, [second])
+    assert start < out.num_cached_tokens < end, (start, out.num_cached_tokens, end)

@@ -174,6 +174,10 @@ def add_buckets_parser(subparsers: Any) -> None:
     )
     show.set_defaults(handler=_show)
 
+    from vllm_hpu_mm.cli import vision_plan
+
+    vision_plan.add_parser(sub, _positive)
+
 
 def _positive(text: str) -> int:
     value = int(text)

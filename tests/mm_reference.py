@@ -193,6 +193,12 @@ def hf_llava_greedy(
     inputs = hf_llava_inputs(model_dir, prompt_text, images, add_special_tokens)
     n_image = int((inputs["input_ids"] == model.config.image_token_index).sum())
     assert n_image == NUM_IMAGE_TOKENS * len(images), n_image
+    return hf_vlm_greedy(model, inputs, max_new_tokens)
+
+
+def hf_vlm_greedy(model: Any, inputs: Any, max_new_tokens: int) -> list[int]:
+    """HF ``generate``, greedy, of any VLM on its processor's ``inputs`` (batch
+    of one): exactly ``max_new_tokens`` new ids (eos off, as vLLM's ignore_eos)."""
     with torch.inference_mode():
         out = model.generate(
             **inputs,
@@ -203,7 +209,7 @@ def hf_llava_greedy(
         )
     generated = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(generated) == max_new_tokens, (len(generated), max_new_tokens)
-    return generated
+    return list(generated)
 
 
 def hf_llava_greedy_steps(

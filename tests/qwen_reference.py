@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests.mm_reference import MODELS_DIR, greedy_generate
+from tests.mm_reference import MODELS_DIR, greedy_generate, hf_vlm_greedy
 from vllm_hpu_mm.tools import tiny_model_specs as specs
 from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
 
@@ -98,18 +98,8 @@ def hf_qwen_greedy(
     """(prompt ids, greedy continuation of exactly ``max_new_tokens`` ids)."""
     model = load_hf_qwen(model_dir)
     inputs = hf_qwen_inputs(model_dir, prompt, images, add_special_tokens)
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=None,
-            pad_token_id=model.config.text_config.pad_token_id,
-        )
     prompt_ids = inputs["input_ids"][0].tolist()
-    generated = out[0, len(prompt_ids) :].tolist()
-    assert len(generated) == max_new_tokens, (len(generated), max_new_tokens)
-    return prompt_ids, generated
+    return prompt_ids, hf_vlm_greedy(model, inputs, max_new_tokens)
 
 
 def num_image_tokens(model_dir: str, image: Any) -> int:

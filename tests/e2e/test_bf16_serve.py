@@ -33,7 +33,6 @@ from tests.mm_reference import (
     hf_llava_chat_prompt,
     hf_llava_greedy_steps,
     make_image,
-    png_data_url,
     tiny_llava_dir,
 )
 
@@ -119,22 +118,7 @@ def _compiles(server: Server, phase: str) -> float:
 
 
 def _chat(server: Server, images: list[Any], text: str) -> dict[str, Any]:
-    parts: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": png_data_url(im)}} for im in images
-    ]
-    body = {
-        "model": server.model,
-        "messages": [
-            {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
-        ],
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = server.post("/v1/chat/completions", body)
-    assert response.status_code == 200, response.text
-    return dict(response.json())
+    return server.greedy_image_chat(images, text, MAX_NEW)
 
 
 def _completion(server: Server, prompt_ids: list[int]) -> dict[str, Any]:

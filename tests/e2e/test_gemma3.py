@@ -29,7 +29,12 @@ from typing import Any
 
 import pytest
 
-from tests.mm_reference import engine_lifetime, greedy_generate, make_image
+from tests.mm_reference import (
+    engine_lifetime,
+    greedy_generate,
+    hf_vlm_greedy,
+    make_image,
+)
 from vllm_hpu_mm.tools import tiny_model_specs as specs
 
 pytestmark = pytest.mark.e2e
@@ -117,23 +122,10 @@ def hf_prompt_ids(model_dir: str, c: Case) -> list[int]:
 def hf_greedy(model_dir: str, c: Case, bidirectional: bool = True) -> list[int]:
     """HF's greedy ids; ``bidirectional=False`` drops ``token_type_ids`` (plain
     causal attention over the images: what a causal-only kernel would match)."""
-    import torch
-
-    model = hf_model(model_dir)
     inputs = dict(hf_inputs(model_dir, c))
     if not bidirectional:
         inputs.pop("token_type_ids", None)
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs,
-            do_sample=False,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=None,
-            pad_token_id=model.config.text_config.pad_token_id,
-        )
-    generated = out[0, inputs["input_ids"].shape[1] :].tolist()
-    assert len(generated) == MAX_NEW
-    return generated
+    return hf_vlm_greedy(hf_model(model_dir), inputs, MAX_NEW)
 
 
 def soft_token_runs(ids: Sequence[int], soft_id: int) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.test_gemma3 import MAX_NEW, Case, hf_greedy, hf_processor, image
 from tests.e2e.test_serve import Server, serve
-from tests.mm_reference import chat_messages, png_data_url
+from tests.mm_reference import chat_messages
 
 pytestmark = pytest.mark.e2e
 
@@ -38,23 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def check_chat(server: Server, images: list[Any]) -> None:
-    parts: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": png_data_url(im)}} for im in images
-    ]
-    messages = [
-        {"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}
-    ]
-    body = {
-        "model": server.model,
-        "messages": messages,
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = server.post("/v1/chat/completions", body)
-    assert response.status_code == 200, response.text
-    out = response.json()
+    out = server.greedy_image_chat(images, QUESTION, MAX_NEW)
     prompt = hf_processor(server.model).apply_chat_template(
         chat_messages(QUESTION, len(images)), add_generation_prompt=True, tokenize=False
     )

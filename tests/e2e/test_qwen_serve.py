@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_serve import Server, serve
-from tests.mm_reference import chat_messages, make_image, png_data_url
+from tests.mm_reference import chat_messages, make_image
 from tests.qwen_reference import hf_qwen_greedy, load_hf_qwen_processor, tiny_qwen_dir
 
 pytestmark = pytest.mark.e2e
@@ -29,22 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _check_chat(server: Server, images: list[Any]) -> None:
-    parts: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": png_data_url(im)}} for im in images
-    ]
-    body = {
-        "model": server.model,
-        "messages": [
-            {"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}
-        ],
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = server.post("/v1/chat/completions", body)
-    assert response.status_code == 200, response.text
-    out = response.json()
+    out = server.greedy_image_chat(images, QUESTION, MAX_NEW)
     prompt = load_hf_qwen_processor(server.model).apply_chat_template(
         chat_messages(QUESTION, len(images)), add_generation_prompt=True, tokenize=False
     )

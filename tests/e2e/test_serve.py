@@ -49,6 +49,31 @@ class Server:
             self.url + path, json=body, timeout=REQUEST_TIMEOUT_S, **kwargs
         )
 
+    def greedy_image_chat(
+        self, images: list[Any], text: str, max_tokens: int
+    ) -> dict[str, Any]:
+        """A greedy chat completion (eos ignored, token ids returned) of one user
+        turn: ``images`` as base64 PNG ``image_url`` parts, then ``text``."""
+        from tests.mm_reference import png_data_url
+
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": png_data_url(im)}}
+            for im in images
+        ]
+        body = {
+            "model": self.model,
+            "messages": [
+                {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        response = self.post("/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

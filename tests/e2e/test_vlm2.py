@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.mm_reference import engine_lifetime, greedy_generate
+from tests.mm_reference import engine_lifetime, greedy_generate, hf_vlm_greedy
 from vllm_hpu_mm.tools import tiny_model_specs as specs
 
 pytestmark = pytest.mark.e2e
@@ -139,21 +139,7 @@ def hf_prompt_ids(model_dir: str, case: Case) -> list[int]:
 
 
 def hf_greedy(model_dir: str, case: Case) -> list[int]:
-    import torch
-
-    model = hf_model(model_dir)
-    inputs = hf_inputs(model_dir, case)
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs,
-            do_sample=False,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=None,
-            pad_token_id=model.config.text_config.pad_token_id,
-        )
-    generated = out[0, inputs["input_ids"].shape[1] :].tolist()
-    assert len(generated) == MAX_NEW
-    return generated
+    return hf_vlm_greedy(hf_model(model_dir), hf_inputs(model_dir, case), MAX_NEW)
 
 
 # --- engine ---------------------------------------------------------------------

@@ -85,9 +85,17 @@ class _HpuMMPlatformBase(Platform):
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        # Attention is traced into the compiled graph (as on Gaudi), so the graph
-        # key is the whole step shape and the compile counter sees every shape.
-        return False
+        # hpu_mm.graph_attention: traced into the compiled graph (as on Gaudi; the
+        # graph key is then the whole step shape), or vLLM's opaque attention op
+        # between compiled pieces (the graph key is the token count). Read when the
+        # attention layers are built, under the engine's current vLLM config.
+        from vllm.config import get_current_vllm_config
+
+        from vllm_hpu_mm.config import load_plugin_config
+        from vllm_hpu_mm.worker.shapes import opaque_attention
+
+        plugin_config = load_plugin_config(get_current_vllm_config())
+        return opaque_attention(plugin_config, device.device_kind())
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:

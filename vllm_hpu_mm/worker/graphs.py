@@ -281,12 +281,24 @@ def use_compile_cache(configured: str | None) -> str:
     ``TORCHINDUCTOR_CACHE_DIR`` is kept; else the user's cache directory (torch's
     own default is under the temporary directory). The cache keys on the graph,
     its input shapes (the KV cache's among them) and torch's version, so a
-    changed model, bucket set or KV-cache size compiles afresh."""
+    changed model, bucket set or KV-cache size compiles afresh.
+
+    Torch writes its default into ``TORCHINDUCTOR_CACHE_DIR`` the first time it
+    resolves the directory (vLLM may do so before the model loads), so a value
+    equal to torch's default counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     path = configured or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path and not configured and _same_path(path, default_cache_dir()):
+        path = None
     path = os.path.abspath(os.path.expanduser(path or default_compile_cache_dir()))
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(b)
 
 
 def _raise_recompile_limits() -> None:

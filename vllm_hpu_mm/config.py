@@ -355,7 +355,8 @@ class HpuMMConfig(_Section):
     opaque attention op runs between the compiled pieces; a graph is keyed by its
     token rows only, so warmup compiles one graph per token count (on the CPU, for the
     benchmark Llama: 18 compilations instead of 67, same throughput). `auto`: `traced`
-    on Gaudi, `opaque` on the CPU and CUDA."""
+    on Gaudi, `opaque` on the CPU and CUDA. In eager mode attention is always called
+    directly."""
     bucketing: BucketingConfig = Field(default_factory=BucketingConfig)
     """Shape bucketing."""
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)

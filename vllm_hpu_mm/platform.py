@@ -94,8 +94,11 @@ class _HpuMMPlatformBase(Platform):
         from vllm_hpu_mm.config import load_plugin_config
         from vllm_hpu_mm.worker.shapes import opaque_attention
 
-        plugin_config = load_plugin_config(get_current_vllm_config())
-        return opaque_attention(plugin_config, device.device_kind())
+        vllm_config = get_current_vllm_config()
+        plugin_config = load_plugin_config(vllm_config)
+        model_config = getattr(vllm_config, "model_config", None)
+        eager = bool(getattr(model_config, "enforce_eager", False))
+        return opaque_attention(plugin_config, device.device_kind(), eager)
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:

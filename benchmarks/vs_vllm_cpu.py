@@ -674,7 +674,7 @@ def build_bench_model(model_dir: Path = MODEL_DIR, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-    from vllm_hpu_mm.tools import build_tiny_models as tiny
+    from vllm_hpu_mm.tools import tokenizer as tiny
 
     print(f"Building the benchmark model at {model_dir} ...", flush=True)
     tok = tiny.build_tokenizer()

@@ -8,15 +8,20 @@ import pytest
 
 
 def compiled_with_buckets(
-    tmp_path_factory: pytest.TempPathFactory, name: str, buckets_yaml: str
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    buckets_yaml: str,
+    graph_attention: str = "auto",
 ) -> dict[str, Any]:
     """``additional_config`` for graph mode over the explicit buckets
-    ``buckets_yaml`` (written to a bucket file named ``name``), no progress bar."""
+    ``buckets_yaml`` (written to a bucket file named ``name``), no progress bar;
+    ``graph_attention`` as ``hpu_mm.graph_attention`` (auto: opaque on the CPU)."""
     path = tmp_path_factory.mktemp("buckets") / f"{name}.yaml"
     path.write_text(buckets_yaml)
     return {
         "hpu_mm": {
             "graph_mode": "compile",
+            "graph_attention": graph_attention,
             "bucketing": {"strategy": "explicit", "file": str(path)},
             "warmup": {"progress_bar": False},
         }

@@ -1,7 +1,8 @@
 """Graph mode on the CPU: warmup prepares every step shape, serving compiles nothing.
 
 One engine in torch.compile mode with a small explicit bucket set. Attention is
-traced into the compiled layers, so the graph key is the whole step shape
+traced into the compiled layers (``graph_attention: traced``, Gaudi's default;
+``test_graph_mode_opaque.py`` has the CPU's), so the graph key is the whole step shape
 (decode rows and blocks, prefill tokens and blocks). The compile count is read
 from the worker's real Prometheus counter (incremented inside the compiler
 backend), through prometheus_client's multiprocess files.
@@ -46,6 +47,7 @@ def llm(tiny_llama_dir: str, buckets_file: str) -> Iterator[object]:
         additional_config={
             "hpu_mm": {
                 "graph_mode": "compile",
+                "graph_attention": "traced",  # the Gaudi form (CPU default: opaque)
                 "bucketing": {"strategy": "explicit", "file": buckets_file},
                 "warmup": {"progress_bar": False},
             }

@@ -44,6 +44,7 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
         tmp_path_factory,
         "llava",
         "prefill_tokens: [8, 32]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n",
+        graph_attention="traced",  # the Gaudi form: a graph per step shape
     )
     engine = LLM(
         model=model_dir,

@@ -29,6 +29,7 @@ from vllm_hpu_mm.bucketing.buckets import (
     padding_ratio,
     smallest_fit,
     step_shapes,
+    token_shapes,
 )
 from vllm_hpu_mm.bucketing.policy import Bucketer, PaddedSizes, StepSizes
 
@@ -184,6 +185,15 @@ def test_default_sets_are_within_and_closed_at_the_limits(
         )
         assert all(r in b.batch and n in b.blocks for r, n in decode)
         assert all(t in b.tokens and n in b.blocks for t, n in prefill)
+        # Opaque attention: one shape per distinct token count of the step keys.
+        dec1, pre1 = token_shapes(decode, prefill)
+        rows = [r for r, _ in dec1] + [t for t, _ in pre1]
+        assert len(rows) == len(set(rows))
+        assert set(rows) == {r for r, _ in decode} | {t for t, _ in prefill}
+        assert set(dec1) <= set(decode) and set(pre1) <= set(prefill)
+        assert count_graphs(b, limits, form, opaque_attention=True) == len(rows) + len(
+            b.batch
+        )
 
 
 @FAST

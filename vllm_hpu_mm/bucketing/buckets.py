@@ -133,15 +133,38 @@ def step_shapes(
     return decode, prefill
 
 
+def token_shapes(
+    decode: Sequence[tuple[int, int]], prefill: Sequence[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """With attention outside the graphs (an opaque op), a graph is keyed by its
+    token rows only: one step shape per distinct row count serves them all. Of
+    ``step_shapes``' lists, keeps the first decode shape of each batch size and
+    the first prefill shape of each token size that no decode shape has."""
+    rows: set[int] = set()
+    kept_decode, kept_prefill = [], []
+    for b, n in decode:
+        if b not in rows:
+            rows.add(b)
+            kept_decode.append((b, n))
+    for t, n in prefill:
+        if t not in rows:
+            rows.add(t)
+            kept_prefill.append((t, n))
+    return kept_decode, kept_prefill
+
+
 def count_graphs(
     buckets: BucketSet,
     limits: Limits,
     decode_form: str = "flat",
     prefill_tile: int = 128,
+    opaque_attention: bool = False,
 ) -> int:
-    """Graphs warmup compiles: every step key plus one logits graph per batch
-    size."""
+    """Graphs warmup compiles: every step key (with ``opaque_attention``, every
+    token count) plus one logits graph per batch size."""
     decode, prefill = step_shapes(buckets, limits, decode_form, prefill_tile)
+    if opaque_attention:
+        decode, prefill = token_shapes(decode, prefill)
     return len(decode) + len(prefill) + len(buckets.batch)
 
 

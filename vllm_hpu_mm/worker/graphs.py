@@ -1,9 +1,11 @@
 """Graph mode: the model compiled per step shape, region by region.
 
-Attention is traced into the compiled code (the platform's
-``opaque_attention_op`` is False), so a graph is keyed by the whole step shape:
-token rows, decode rows and blocks, prefill blocks (see
-``vllm_hpu_mm.bucketing.buckets.step_shapes``). A mixed step runs as a decode
+Attention is traced into the compiled code (``hpu_mm.graph_attention`` traced,
+the default on Gaudi), so a graph is keyed by the whole step shape: token rows,
+decode rows and blocks, prefill blocks (see
+``vllm_hpu_mm.bucketing.buckets.step_shapes``); or it runs as vLLM's opaque
+attention op between compiled pieces (opaque, the default elsewhere), so a graph
+is keyed by its token rows only. A mixed step runs as a decode
 pass and a prefill pass (``worker.inputs.step_passes``), so the two parts' keys
 add up instead of multiplying.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +144,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def attention_is_opaque(model: torch.nn.Module) -> bool:
+    """Whether the model's attention layers call vLLM's opaque attention op (the
+    platform's ``opaque_attention_op``) rather than the backend directly."""
+    return any(
+        not m.use_direct_call for m in model.modules() if isinstance(m, Attention)
+    )
+
+
 class GraphRunner:
     """Runs the body and the logits head eagerly or compiled (one graph per
     step shape and region; torch.compile with dynamic=False)."""
@@ -151,15 +162,21 @@ class GraphRunner:
         mode: str,
         backend: str,
         regional: bool = True,
+        compile_cache_dir: str | None = None,
     ) -> None:
         self.model = model
         self.mode = mode
         self.counter = CompileCounter(backend)
         self.regions = 0
+        self.cache_dir: str | None = None
+        # Attention as vLLM's opaque op (hpu_mm.graph_attention): graphs are then
+        # keyed by their token rows only, not by the attention metadata's shapes.
+        self.opaque_attention = attention_is_opaque(model)
         self._body: Callable[..., torch.Tensor] = self._run_body
         self._logits: Callable[[torch.Tensor], torch.Tensor] = self._run_logits
         if mode == "compile":
             _raise_recompile_limits()
+            self.cache_dir = use_compile_cache(compile_cache_dir)
             layers = decoder_layers(model) if regional else []
             if layers:
                 compiled = torch.compile(
@@ -175,10 +192,12 @@ class GraphRunner:
                 self._run_logits, backend=self.counter, dynamic=False
             )
         logger.info(
-            "vllm-hpu-mm graph mode: %s (backend %s, %s)",
+            "vllm-hpu-mm graph mode: %s (backend %s, %s, attention %s%s)",
             mode,
             backend,
             f"{self.regions} compiled decoder layers" if self.regions else "whole body",
+            "opaque" if self.opaque_attention else "traced",
+            f", compile cache {self.cache_dir}" if self.cache_dir else "",
         )
 
     def _run_body(
@@ -252,6 +271,42 @@ def _own_layer_table() -> None:
     ctx = get_forward_context()
     if not isinstance(ctx.no_compile_layers, _StepLayers):
         ctx.no_compile_layers = _StepLayers(ctx.no_compile_layers)
+
+
+def default_compile_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/vllm-hpu-mm/torch-compile`` (``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return os.path.join(base, "vllm-hpu-mm", "torch-compile")
+
+
+def use_compile_cache(configured: str | None) -> str:
+    """Point torch.compile's on-disk caches (inductor's FX graph cache and
+    AOTAutograd's, both under ``TORCHINDUCTOR_CACHE_DIR``) at a persistent
+    directory, so a later start of the same model loads its graphs instead of
+    compiling them. A configured directory wins; else an existing
+    ``TORCHINDUCTOR_CACHE_DIR`` is kept; else the user's cache directory (torch's
+    own default is under the temporary directory). The cache keys on the graph,
+    its input shapes (the KV cache's among them) and torch's version, so a
+    changed model, bucket set or KV-cache size compiles afresh.
+
+    Torch writes its default into ``TORCHINDUCTOR_CACHE_DIR`` the first time it
+    resolves the directory (vLLM may do so before the model loads), so a value
+    equal to torch's default counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    path = configured or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path and not configured and _same_path(path, default_cache_dir()):
+        path = None
+    path = os.path.abspath(os.path.expanduser(path or default_compile_cache_dir()))
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(b)
 
 
 def _raise_recompile_limits() -> None:

@@ -126,7 +126,12 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
-        self.graphs = GraphRunner(self.model, self._graph_mode(), dev.compile_backend())
+        self.graphs = GraphRunner(
+            self.model,
+            self._graph_mode(),
+            dev.compile_backend(),
+            compile_cache_dir=self.plugin_config.warmup.compile_cache_dir,
+        )
         if self.mrope_channels:
             self.requests.mrope_model = self.model
         if getattr(self.model, "uses_cross_attention_cache", False):

@@ -31,6 +31,19 @@ def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
     return from_config(limits, bucketing)
 
 
+def opaque_attention(plugin_config: Any, kind: str, enforce_eager: bool) -> bool:
+    """Whether attention runs as vLLM's opaque op between compiled pieces
+    (``hpu_mm.graph_attention``; ``auto``: traced on Gaudi, opaque elsewhere).
+    Eager mode compiles nothing: its layers call the backend directly."""
+    mode = plugin_config.graph_mode
+    if mode == "eager" or (mode == "auto" and enforce_eager):
+        return False
+    choice = plugin_config.graph_attention
+    if choice == "auto":
+        return kind != "hpu"
+    return bool(choice == "opaque")
+
+
 def decode_form_for(kind: str) -> DecodeForm:
     """Flat paged decode on Gaudi (the official plugin's form); elsewhere the
     batched block table, which measured faster on the CPU (see the README's

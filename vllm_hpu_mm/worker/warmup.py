@@ -1,7 +1,9 @@
 """Warmup: run every step shape once before the server reports ready.
 
 ``step_shapes`` lists every graph key serving can produce from the bucket set
-(decode parts and prefill parts); each runs the model body once (a step of
+(decode parts and prefill parts; with attention as an opaque op, a graph is keyed
+by its token rows, and ``token_shapes`` keeps one shape per token count); each
+runs the model body once (a step of
 padding rows only: they write the null block and read key 0, so the KV cache
 of real requests is never touched), and each batch bucket runs the logits head
 once. In graph mode that is when every graph is compiled; afterwards the
@@ -21,7 +23,7 @@ from tqdm import tqdm
 
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
-from vllm_hpu_mm.bucketing.buckets import step_shapes
+from vllm_hpu_mm.bucketing.buckets import step_shapes, token_shapes
 from vllm_hpu_mm.worker.multimodal import warm_up_encoder
 from vllm_hpu_mm.worker.shapes import engine_limits
 
@@ -87,6 +89,8 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     decode, prefill = step_shapes(
         buckets, engine_limits(runner.vllm_config), runner.shapes.decode_form
     )
+    if graphs.opaque_attention:  # graphs keyed by token rows: one shape per count
+        decode, prefill = token_shapes(decode, prefill)
     work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
     work += [StepShape(0, 0, t, n) for t, n in prefill]
     work += list(buckets.batch)
@@ -109,13 +113,16 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     metrics.WARMUP_SECONDS.set(seconds)
     logger.info(
         "Warmup finished in %.1f s: %d step shapes (%d decode + %d prefill, "
-        "%s decode), %d logits sizes, %d encoder sizes; %d compilations "
-        "(%s)",
+        "%s decode, attention %s), %d logits sizes, %d encoder sizes; "
+        "%d compilations (%s)",
         seconds,
         len(decode) + len(prefill),
         len(decode),
         len(prefill),
         runner.shapes.decode_form,
+        "opaque: one shape per token count"
+        if graphs.opaque_attention
+        else "traced: every step shape",
         len(buckets.batch),
         encoder_shapes,
         graphs.compiles,

@@ -1,0 +1,102 @@
+"""Graph mode with attention as vLLM's opaque op (``graph_attention: opaque``,
+the CPU's default): a graph is keyed by its token rows only, so warmup compiles
+one graph per token count; serving then compiles nothing and matches HF.
+
+The same buckets as ``test_graph_mode.py`` (which traces attention into the
+graphs, Gaudi's form): there 16 step shapes compile, here 4 token counts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from tests.hf_reference import hf_greedy
+from vllm_hpu_mm.metrics_reader import read_metric as _counter
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def llm(
+    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[object]:
+    from vllm import LLM
+
+    path = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
+    path.write_text(
+        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n"
+    )
+    engine = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        seed=0,
+        additional_config={
+            "hpu_mm": {
+                "graph_mode": "compile",
+                "graph_attention": "opaque",
+                "bucketing": {"strategy": "explicit", "file": str(path)},
+                "warmup": {"progress_bar": False},
+            }
+        },
+    )
+    yield engine
+    del engine
+
+
+def test_warmup_compiled_one_graph_per_token_count(llm: object) -> None:
+    from vllm_hpu_mm.bucketing.buckets import (
+        Limits,
+        count_graphs,
+        explicit,
+        step_shapes,
+        token_shapes,
+    )
+
+    limits = Limits(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16
+    )
+    buckets = explicit(limits, [16, 64], [1, 4], [4, 16, 32])
+    decode, prefill = token_shapes(*step_shapes(buckets, limits, "batched"))
+    # Token counts 1 and 4 (decode rows), 16 and 64 (prefill tokens), one
+    # shape each; plus a logits graph per batch size.
+    assert decode == [(1, 4), (4, 4)]
+    assert prefill == [(16, 4), (64, 4)]
+    expected = count_graphs(buckets, limits, "batched", opaque_attention=True)
+    assert expected == 6
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) == expected
+
+
+def test_mix_of_decodes_chunks_and_prefix_hits_compiles_nothing(
+    llm: object, tiny_llama_dir: str
+) -> None:
+    """Mixed steps, decodes crossing block buckets, prompts chunked at the
+    64-token budget and prefix-cache hits: every step reuses a warmed graph
+    whatever its attention shapes."""
+    from vllm import SamplingParams
+
+    rng = random.Random(23)
+    shared = [rng.randrange(5, 500) for _ in range(48)]
+    prompts = [
+        [rng.randrange(5, 500) for _ in range(60)],
+        shared + [rng.randrange(5, 500) for _ in range(30)],
+        [rng.randrange(5, 500) for _ in range(2)],
+        shared + [rng.randrange(5, 500) for _ in range(7)],
+        [rng.randrange(5, 500) for _ in range(150)],
+        [rng.randrange(5, 500) for _ in range(11)],
+    ]
+    max_new = 40
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    outs = llm.generate(  # type: ignore[attr-defined]
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == hf_greedy(tiny_llama_dir, prompts, max_new)
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
+    assert _counter("vllm_hpu_mm:fallback_buckets_total") == 0

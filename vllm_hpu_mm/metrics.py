@@ -65,3 +65,15 @@ ENCODER_CACHE_ITEMS = Gauge(
     "Encoder outputs currently cached in the worker.",
     multiprocess_mode="max",
 )
+
+
+def counts_items_here() -> bool:
+    """Whether this worker counts encoder runs and items: every tensor-parallel
+    rank runs the encoders on the same items, so only rank 0 counts them (a
+    single-process engine always does)."""
+    from vllm.distributed import parallel_state
+
+    return (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_tensor_model_parallel_rank() == 0
+    )

@@ -33,10 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.distributed.parallel_state import (
-    get_tensor_model_parallel_rank,
-    model_parallel_is_initialized,
-)
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
 from vllm_hpu_mm import metrics
@@ -202,9 +198,7 @@ class CrossAttentionInputs:
                 model.encode_images, backend=graphs.counter, dynamic=False
             )
         # Every rank encodes every image: one of them counts the runs.
-        self.counts_metrics = (
-            not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
-        )
+        self.counts_metrics = metrics.counts_items_here()
         self.images: dict[str, list[RequestImage]] = {}  # request -> its images
         self.num_tiles: dict[str, int] = {}  # image key -> its real tiles
         cache_mib = (

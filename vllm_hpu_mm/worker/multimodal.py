@@ -221,10 +221,11 @@ class MultimodalInputs:
         # wide; ``embed`` merges the main part and leaves the levels here,
         # [L, num_tokens, H] (zero on text rows), for ``feed_deepstack``.
         self.deepstack: torch.Tensor | None = None
+        self.counts_metrics = metrics.counts_items_here()
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
         count = sum(len(r.mm_features or []) for r in new_reqs)
-        if count:
+        if count and self.counts_metrics:
             metrics.MM_ITEMS.inc(count)
 
     def run_encoders(self, scheduler_output: Any, requests: RequestTable) -> None:
@@ -254,7 +255,8 @@ class MultimodalInputs:
                 )
         for key, out in zip(keys, outputs, strict=True):
             self.cache.put(key, out)
-        metrics.ENCODER_RUNS.inc(len(keys))
+        if self.counts_metrics:
+            metrics.ENCODER_RUNS.inc(len(keys))
 
     def embed(
         self, batch: StepBatch, states: list[RequestState]

@@ -108,6 +108,31 @@ def test_held_out_mix_of_growing_decodes_chunks_and_prefix_hits(
     contexts cross block buckets (prompts near 64 growing past them), prompts
     chunked at the 64-token budget, and a shared prefix (cache hits with prior
     context): every step lands on a warmed shape."""
+    check_mixed_workload(llm, tiny_llama_dir)
+
+
+def test_prefix_cache_hit_reuses_blocks_without_compiling(
+    llm: object, tiny_llama_dir: str
+) -> None:
+    from vllm import SamplingParams
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(5, 500) for _ in range(90)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
+    second = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
+    # The second prefill starts from cached blocks (context blocks in the bucket).
+    assert (second[0].num_cached_tokens or 0) >= 64
+    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_NEW)[0]
+    assert list(first[0].outputs[0].token_ids) == expected
+    assert list(second[0].outputs[0].token_ids) == expected
+    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
+
+
+def check_mixed_workload(llm: object, tiny_llama_dir: str) -> None:
+    """Six prompts (chunked at the 64-token budget, two sharing a 48-token
+    prefix, short ones that decode beside the others) of 40 greedy tokens:
+    HF-identical, no compilation while serving, no fallback bucket."""
     from vllm import SamplingParams
 
     rng = random.Random(23)
@@ -129,21 +154,3 @@ def test_held_out_mix_of_growing_decodes_chunks_and_prefix_hits(
     assert got == hf_greedy(tiny_llama_dir, prompts, max_new)
     assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
     assert _counter("vllm_hpu_mm:fallback_buckets_total") == 0
-
-
-def test_prefix_cache_hit_reuses_blocks_without_compiling(
-    llm: object, tiny_llama_dir: str
-) -> None:
-    from vllm import SamplingParams
-
-    rng = random.Random(11)
-    prompt = [rng.randrange(5, 500) for _ in range(90)]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
-    second = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
-    # The second prefill starts from cached blocks (context blocks in the bucket).
-    assert (second[0].num_cached_tokens or 0) >= 64
-    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_NEW)[0]
-    assert list(first[0].outputs[0].token_ids) == expected
-    assert list(second[0].outputs[0].token_ids) == expected
-    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0

@@ -8,12 +8,11 @@ graphs, Gaudi's form): there 16 step shapes compile, here 4 token counts.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
 
-from tests.hf_reference import hf_greedy
+from tests.e2e.test_graph_mode import check_mixed_workload
 from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
@@ -79,24 +78,4 @@ def test_mix_of_decodes_chunks_and_prefix_hits_compiles_nothing(
     """Mixed steps, decodes crossing block buckets, prompts chunked at the
     64-token budget and prefix-cache hits: every step reuses a warmed graph
     whatever its attention shapes."""
-    from vllm import SamplingParams
-
-    rng = random.Random(23)
-    shared = [rng.randrange(5, 500) for _ in range(48)]
-    prompts = [
-        [rng.randrange(5, 500) for _ in range(60)],
-        shared + [rng.randrange(5, 500) for _ in range(30)],
-        [rng.randrange(5, 500) for _ in range(2)],
-        shared + [rng.randrange(5, 500) for _ in range(7)],
-        [rng.randrange(5, 500) for _ in range(150)],
-        [rng.randrange(5, 500) for _ in range(11)],
-    ]
-    max_new = 40
-    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
-    outs = llm.generate(  # type: ignore[attr-defined]
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-    )
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    assert got == hf_greedy(tiny_llama_dir, prompts, max_new)
-    assert _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
-    assert _counter("vllm_hpu_mm:fallback_buckets_total") == 0
+    check_mixed_workload(llm, tiny_llama_dir)

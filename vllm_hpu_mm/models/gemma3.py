@@ -21,8 +21,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models import gemma3_mm
 
-from vllm_hpu_mm.models.checkpoint_files import load_naming_the_weight, model_path_of
-from vllm_hpu_mm.models.llava import FLAT_TOWER_MAPPER
+from vllm_hpu_mm.models.llava import FLAT_TOWER_MAPPER, load_tower_model
 
 
 class Gemma3ForConditionalGeneration(gemma3_mm.Gemma3ForConditionalGeneration):
@@ -35,12 +34,4 @@ class Gemma3ForConditionalGeneration(gemma3_mm.Gemma3ForConditionalGeneration):
         self.hf_to_vllm_mapper = type(self).hf_to_vllm_mapper | FLAT_TOWER_MAPPER
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        prefixes = self.hf_to_vllm_mapper.orig_to_new_prefix
-        known = sorted({*prefixes, *(p for p in prefixes.values() if p)})
-        return load_naming_the_weight(
-            super().load_weights,
-            weights,
-            model="Gemma 3",
-            model_path=model_path_of(self.config),
-            known_prefixes=[*known, "vision_tower.vision_model."],
-        )
+        return load_tower_model(self, super().load_weights, weights, "Gemma 3")

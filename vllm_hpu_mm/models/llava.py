@@ -17,7 +17,8 @@ When it can go: once vLLM's LLaVA maps the flat tower layout itself.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from vllm.config import VllmConfig
@@ -47,12 +48,24 @@ class LlavaForConditionalGeneration(llava.LlavaForConditionalGeneration):
             self.hf_to_vllm_mapper = type(self).hf_to_vllm_mapper | FLAT_TOWER_MAPPER
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        prefixes = self.hf_to_vllm_mapper.orig_to_new_prefix
-        known = sorted({*prefixes, *(p for p in prefixes.values() if p)})
-        return load_naming_the_weight(
-            super().load_weights,
-            weights,
-            model="LLaVA",
-            model_path=model_path_of(self.config),
-            known_prefixes=[*known, "vision_tower.vision_model."],
-        )
+        return load_tower_model(self, super().load_weights, weights, "LLaVA")
+
+
+def load_tower_model(
+    model: Any,
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    name: str,
+) -> set[str]:
+    """``load`` (vLLM's ``load_weights``) of a model whose vision tower may be
+    saved flat or nested: an unknown tensor is named with the prefixes the
+    model's mapper knows, the nested tower's included."""
+    prefixes = model.hf_to_vllm_mapper.orig_to_new_prefix
+    known = sorted({*prefixes, *(p for p in prefixes.values() if p)})
+    return load_naming_the_weight(
+        load,
+        weights,
+        model=name,
+        model_path=model_path_of(model.config),
+        known_prefixes=[*known, "vision_tower.vision_model."],
+    )

@@ -2,7 +2,7 @@
 
 ``ImageSlots.drop_idle`` frees exactly the slots no running request holds (a held
 slot keeps its image: the request reads its K/V every step), and the freed slots
-are handed out again, to be encoded anew; ``EncoderCache.clear`` empties the
+are handed out again, to be encoded anew; ``EncoderStore.clear`` empties the
 encoder outputs. The engine-level behaviour (a reset, then a repeated image runs
 the encoder again) is ``tests/e2e/test_encoder_cache_reset.py``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from vllm_hpu_mm.worker.cross_attention import ImageSlots
-from vllm_hpu_mm.worker.multimodal import EncoderCache
+from vllm_hpu_mm.worker.encoder_store import EncoderStore
 
 
 def test_drop_idle_frees_only_unreferenced_images() -> None:
@@ -40,9 +40,11 @@ def test_release_after_drop_keeps_counts_consistent() -> None:
 
 
 def test_encoder_cache_clear() -> None:
-    cache = EncoderCache()
+    cache = EncoderStore(8, 2, torch.float32, torch.device("cpu"))
     cache.put("x", torch.zeros(4, 2))
     cache.put("y", torch.zeros(4, 2))
     assert cache.clear() == 2
     assert "x" not in cache and "y" not in cache
     assert cache.clear() == 0
+    cache.put("z", torch.ones(8, 2))  # the whole capacity is free again
+    assert cache.first_row("z") == 1

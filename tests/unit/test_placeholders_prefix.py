@@ -210,16 +210,22 @@ def test_runner_merges_the_uncached_rows_of_a_cut_image(computed: int) -> None:
     first step after ``computed`` cached tokens, next to a decode request.
     Each token row holds the text embedding or exactly the encoder row its
     position takes."""
+    from vllm_hpu_mm.multimodal.placeholders import request_chunks
     from vllm_hpu_mm.worker.graphs import GraphRunner
-    from vllm_hpu_mm.worker.inputs import build_step
+    from vllm_hpu_mm.worker.inputs import build_step, step_passes
     from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 
     model = _TinyMM()
     mm = MultimodalInputs(
-        model, torch.device("cpu"), GraphRunner(model, "eager", "inductor"), 1
+        model,
+        torch.device("cpu"),
+        GraphRunner(model, "eager", "inductor"),
+        1,
+        hidden=HIDDEN,
+        store_rows=40,
     )
-    mm.cache.put("a", _encoder_output(1, 16))
-    mm.cache.put("b", _encoder_output(2, 16))
+    mm.store.put("b", _encoder_output(2, 16))  # store rows 1..16
+    mm.store.put("a", _encoder_output(1, 16))  # store rows 17..32
     decode = _state("dec", 20, 19, [])
     prefill = _state("pre", 49, computed, [_image("a", 7, 16), _image("b", 30, 16)])
     query = np.array([1, 49 - computed], np.int64)
@@ -231,7 +237,18 @@ def test_runner_merges_the_uncached_rows_of_a_cut_image(computed: int) -> None:
         BLOCK,
         torch.device("cpu"),
     )
-    embeds, maps = mm.embed(batch, [decode, prefill])
+    md = batch.attn_metadata
+    mm.attach_maps(md, request_chunks([decode, prefill], query, batch.row_starts))
+    # The mixed step runs as a decode pass and a prefill pass, each merging
+    # from its own part of the maps.
+    passes = step_passes(md)
+    assert len(passes) == 2
+    embeds = torch.cat(
+        [
+            mm.merge(batch.input_ids[p.start : p.stop], p.attn_metadata.mm_maps)
+            for p in passes
+        ]
+    )
     assert embeds.shape == (batch.shape.num_tokens, HIDDEN)
     row0 = int(batch.row_starts[1])
     for pos in range(computed, 49):
@@ -244,5 +261,6 @@ def test_runner_merges_the_uncached_rows_of_a_cut_image(computed: int) -> None:
             want = [float(pos + 1), 0.0, 0.0, 0.0]  # prompt token id pos + 1
         assert row.tolist() == want, (pos, row.tolist())
     assert embeds[0].tolist() == [20.0, 0.0, 0.0, 0.0]  # the decode row's token
-    needed = {"a", "b"} if computed < 23 else {"b"}
-    assert set(maps["image"].item_keys) == needed
+    image_rows = sum(1 for p in range(computed, 49) if 7 <= p < 23 or 30 <= p < 46)
+    assert md.mm_maps["image"].num_real == image_rows
+    assert md.mm_maps["image"].rows == batch.shape.num_tokens  # padded to the step

@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import AttentionMetadata
 
 if TYPE_CHECKING:
     from vllm_hpu_mm.worker.buffers import DeviceBuffers
+    from vllm_hpu_mm.worker.merge import MergeMap
 
 from hpu_kernels.attention import MASKED_SCORE, PAD_QUERY_POS
 
@@ -136,9 +137,11 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     prefill_tile_key_pos: torch.Tensor
     """[NT, prefill_blocks * block_size] int64 position of each key in its
     request; 0 on padding."""
-    mm_maps: dict[str, object] = field(default_factory=dict)
-    """Per modality: the placeholder row maps (encoder-output rows to token
-    rows) of this step's chunk, filled by the multimodal input builder."""
+    mm_maps: dict[str, MergeMap] = field(default_factory=dict)
+    """Per modality: the placeholder map of this step's chunk
+    (``worker.merge.MergeMap``: encoder-store rows to token rows, one entry
+    per token row, padding entries on the scratch rows), which the compiled
+    merge reads; written by ``MultimodalInputs.attach_maps``."""
     cross: object | None = None
     """Cross-attention inputs of the step (``attention.cross``), for models whose
     images are read by cross-attention layers; None otherwise."""

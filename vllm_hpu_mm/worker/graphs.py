@@ -228,21 +228,18 @@ class GraphRunner:
         self,
         attn_metadata: Any,
         vllm_config: Any,
-        input_ids: torch.Tensor | None,
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-        before_pass: Callable[[int, int], None] | None = None,
+        merge: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The body over a step's token rows, one pass per part (a mixed step:
-        decode rows, then prefill rows), each under its own forward context;
-        ``before_pass(start, stop)`` runs before each. Returns the hidden
-        states of every token row, in row order."""
+        decode rows, then prefill rows), each under its own forward context.
+        Multimodal models: ``merge(input_ids, mm_maps)`` turns each pass's
+        token ids into its input embeddings, reading the maps of the pass's
+        metadata. Returns the hidden states of every token row, in row order."""
         outs = []
         for p in step_passes(attn_metadata):
-            if before_pass is not None:
-                before_pass(p.start, p.stop)
-            ids = None if input_ids is None else input_ids[p.start : p.stop]
-            emb = None if inputs_embeds is None else inputs_embeds[p.start : p.stop]
+            ids = input_ids[p.start : p.stop]
             with set_forward_context(
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start
             ):
@@ -251,7 +248,11 @@ class GraphRunner:
                 # the latter are copied out contiguous, the layout warmup
                 # compiled for (a strided view would be a new graph).
                 pos = positions[..., p.start : p.stop].contiguous()
-                outs.append(self.body(ids, pos, emb))
+                if merge is None:
+                    outs.append(self.body(ids, pos))
+                else:
+                    embeds = merge(ids, p.attn_metadata.mm_maps)
+                    outs.append(self.body(None, pos, embeds))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

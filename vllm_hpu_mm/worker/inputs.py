@@ -33,6 +33,7 @@ from vllm_hpu_mm.attention.metadata import (
 )
 from vllm_hpu_mm.multimodal.placeholders import bidirectional_spans, request_chunks
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
+from vllm_hpu_mm.worker.merge import split_maps
 from vllm_hpu_mm.worker.mrope import gather_mrope
 from vllm_hpu_mm.worker.requests import RequestState
 
@@ -195,6 +196,8 @@ def step_passes(md: HpuMMAttentionMetadata) -> list[StepPass]:
     decode, prefill = split_metadata(md)
     if isinstance(md.cross, CrossAttentionMetadata):
         decode.cross, prefill.cross = split_cross(md.cross, n_dec)
+    if md.mm_maps:
+        decode.mm_maps, prefill.mm_maps = split_maps(md.mm_maps, n_dec)
     return [StepPass(0, n_dec, decode), StepPass(n_dec, n_dec + n_pre, prefill)]
 
 

@@ -39,6 +39,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.multimodal.placeholders import request_chunks
 from vllm_hpu_mm.platform_config import is_mm_prefix_lm
 from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
@@ -143,21 +144,44 @@ class HpuMMModelRunner:
                 self._max_items_per_prompt(),
             )
         elif supports_multimodal(self.model):
-            self.mm = MultimodalInputs(
-                self.model,
-                self.device,
-                self.graphs,
-                self._max_encoder_items(),
-                # M-RoPE models (Qwen2-VL family) take flat patches + grids.
-                dynamic_resolution=self.mrope_channels > 0,
-                patch_buckets=self._vision_patch_buckets(),
-            )
+            self.mm = self._multimodal_inputs()
         logger.info(
             "Loaded %s in %.1f s on %s",
             self.model_config.model,
             time.perf_counter() - start,
             self.device,
         )
+
+    def _multimodal_inputs(self) -> MultimodalInputs:
+        """The encoder and the merge. The encoder store holds as many embedding
+        rows as vLLM's encoder cache (the size its scheduler admits items
+        against), for each modality the model encodes."""
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(self.vllm_config, MULTIMODAL_REGISTRY)
+        mm = MultimodalInputs(
+            self.model,
+            self.device,
+            self.graphs,  # type: ignore[arg-type]
+            self._max_encoder_items(),
+            hidden=self.model_config.get_hidden_size(),
+            store_rows=max(int(budget.encoder_cache_size), 1),
+            modalities=tuple(budget.mm_max_toks_per_item),
+            # M-RoPE models (Qwen2-VL family) take flat patches + grids.
+            dynamic_resolution=self.mrope_channels > 0,
+            patch_buckets=self._vision_patch_buckets(),
+            buffers=self.buffers,
+        )
+        logger.info(
+            "Encoder store: %d rows x %d (%s), %.1f MiB, modalities %s",
+            mm.store.capacity,
+            mm.store.width,
+            mm.store.rows.dtype,
+            mm.store.nbytes() / 2**20,
+            ", ".join(mm.modalities) or "none",
+        )
+        return mm
 
     def _max_items_per_prompt(self) -> int:
         """The per-prompt item limit of the modality with the most (1 if unset)."""
@@ -325,20 +349,17 @@ class HpuMMModelRunner:
         """
         graphs = self.graphs
         assert graphs is not None, "load_model() first"
-        input_ids: torch.Tensor | None = batch.input_ids
-        embeds = None
         if self.mm is not None:
-            embeds, batch.attn_metadata.mm_maps = self.mm.embed(batch, states)  # type: ignore[assignment]
-            input_ids = None
+            chunks = request_chunks(states, batch.query_lens, batch.row_starts)
+            self.mm.attach_maps(batch.attn_metadata, chunks)
         if self.cross is not None:
             batch.attn_metadata.cross = self.cross.metadata(batch, states)
         hidden = graphs.run_step(
             batch.attn_metadata,
             self.vllm_config,
-            input_ids,
+            batch.input_ids,
             batch.positions,
-            embeds,
-            None if self.mm is None else self.mm.feed_deepstack,
+            None if self.mm is None else self.mm.merge,
         )
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
         return hidden, logits[: batch.num_reqs]

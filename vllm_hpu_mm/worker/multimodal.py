@@ -6,15 +6,18 @@ Per step:
    (``scheduled_encoder_inputs``) that are not cached yet are batched by
    modality, padded to an items-per-batch bucket (compiled once per bucket
    in graph mode, prepared at warmup) and run through the model's
-   ``embed_multimodal``; each output
-   (``[num_embeds, hidden]``, embedding-row index space) is cached under the
-   item's identifier until the scheduler frees it (``free_encoder_mm_hashes``).
-   An item whose chunk spans several steps is encoded once.
-2. ``embed``: the text embeddings of the step's token rows, then, per
-   modality, one ``index_copy_`` of encoder rows into the token rows their
-   placeholders occupy in this chunk (``multimodal.placeholders`` builds the
-   row maps, padded to a power of two; padding entries write a scratch row
-   past the end that nothing reads).
+   ``embed_multimodal``. An item whose chunk spans several steps is encoded
+   once.
+2. ``store``: each output (``[num_embeds, hidden]``, embedding-row index
+   space) is copied into the encoder store (``worker.encoder_store``), one
+   preallocated device tensor, under the item's identifier until the scheduler
+   frees it (``free_encoder_mm_hashes``).
+3. ``attach_maps``: per modality, the step's placeholder map (store rows to
+   token rows, built by ``multimodal.placeholders`` and padded to the step's
+   token rows) goes into the attention metadata (``mm_maps``).
+4. ``merge``: per pass, the compiled merge (``worker.merge``) reads the pass's
+   maps from its metadata and writes the text embeddings and the mapped
+   encoder rows: one ``index_copy_`` per modality, inside the graph.
 """
 
 from __future__ import annotations
@@ -22,22 +25,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.attention.metadata import HpuMMAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 from vllm_hpu_mm.multimodal.placeholders import (
-    ItemPlacement,
-    PlaceholderMap,
     RequestChunk,
     build_placeholder_maps,
     flat_source_rows,
 )
+from vllm_hpu_mm.worker.buffers import DeviceBuffers
+from vllm_hpu_mm.worker.encoder_store import EncoderStore
 from vllm_hpu_mm.worker.graphs import GraphRunner
-from vllm_hpu_mm.worker.inputs import StepBatch
-from vllm_hpu_mm.worker.requests import RequestState, RequestTable
+from vllm_hpu_mm.worker.merge import MergeMap, merge_map, merge_rows, to_device
+from vllm_hpu_mm.worker.requests import RequestTable
 from vllm_hpu_mm.worker.vision_buckets import PatchBucketEncoder, supports_patch_buckets
 
 logger = logging.getLogger("vllm.hpu_mm.multimodal")
@@ -72,53 +75,6 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     default dtype for a model without any."""
     floating = (p.dtype for p in model.parameters() if p.is_floating_point())
     return next(floating, torch.get_default_dtype())
-
-
-def next_pow2(n: int) -> int:
-    """Static length of a placeholder map with n entries (0 stays 0)."""
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
-
-
-class EncoderCache:
-    """Encoder outputs by item identifier, on the device.
-
-    It has no bound of its own: vLLM's scheduler (``EncoderCacheManager``)
-    decides what stays cached, sized in embedding rows, and skips encoding an
-    item it believes is cached. So an entry stays until the scheduler frees it
-    (``free_encoder_mm_hashes``), or until both sides are reset together
-    (``reset_encoder_cache``).
-    """
-
-    def __init__(self) -> None:
-        self.outputs: dict[str, torch.Tensor] = {}
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.outputs
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        try:
-            return self.outputs[key]
-        except KeyError:
-            raise RuntimeError(
-                f"encoder output of item {key!r} is needed by this step but was "
-                "never computed or was already freed"
-            ) from None
-
-    def put(self, key: str, output: torch.Tensor) -> None:
-        self.outputs[key] = output
-        metrics.ENCODER_CACHE_ITEMS.set(len(self.outputs))
-
-    def free(self, keys: list[str]) -> None:
-        for key in keys:
-            self.outputs.pop(key, None)
-        metrics.ENCODER_CACHE_ITEMS.set(len(self.outputs))
-
-    def clear(self) -> int:
-        """Drop every output (the scheduler's side is reset with it); how many."""
-        dropped = len(self.outputs)
-        self.outputs.clear()
-        metrics.ENCODER_CACHE_ITEMS.set(0)
-        return dropped
 
 
 def pad_items(kwargs: dict[str, Any], num_items: int, size: int) -> dict[str, Any]:
@@ -208,19 +164,43 @@ class MultimodalInputs:
         device: torch.device,
         graphs: GraphRunner,
         max_items: int,
+        *,
+        hidden: int,
+        store_rows: int,
+        modalities: tuple[str, ...] = ("image",),
         dynamic_resolution: bool = False,
         patch_buckets: tuple[int, ...] = (),
+        buffers: DeviceBuffers | None = None,
     ) -> None:
         self.model = model
         self.device = device
-        self.cache = EncoderCache()
+        self.hidden = hidden
+        self.modalities = modalities
+        # Deep-stack models (Qwen3-VL): encoder rows are [main | L levels] wide;
+        # the merge puts the main part in the embeddings and hands the levels
+        # to the model per pass (``_feed_deepstack``).
+        self.deepstack_levels = (
+            int(getattr(model, "deepstack_num_level", 0))
+            if getattr(model, "use_deepstack", False)
+            else 0
+        )
+        self.store = EncoderStore(
+            store_rows,
+            hidden * (1 + self.deepstack_levels),
+            model_dtype(model),
+            device,
+        )
         self.encoder = EncoderRunner(
             model, graphs, max_items, dynamic_resolution, patch_buckets
         )
-        # Deep-stack models (Qwen3-VL): the encoder rows are [main | L levels]
-        # wide; ``embed`` merges the main part and leaves the levels here,
-        # [L, num_tokens, H] (zero on text rows), for ``feed_deepstack``.
-        self.deepstack: torch.Tensor | None = None
+        self._put = (
+            to_device(device) if buffers is None else buffers.put
+        )  # map tensors to the device
+        self._merge = merge_rows
+        if graphs.mode == "compile":
+            self._merge = torch.compile(
+                merge_rows, backend=graphs.counter, dynamic=False
+            )
         self.counts_metrics = metrics.counts_items_here()
 
     def on_new_requests(self, new_reqs: list[Any]) -> None:
@@ -229,13 +209,13 @@ class MultimodalInputs:
             metrics.MM_ITEMS.inc(count)
 
     def run_encoders(self, scheduler_output: Any, requests: RequestTable) -> None:
-        self.cache.free(list(scheduler_output.free_encoder_mm_hashes or []))
+        self.store.free(list(scheduler_output.free_encoder_mm_hashes or []))
         pending: dict[str, tuple[str, Any]] = {}
         for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
             features = requests[req_id].mm_features
             for i in indices:
                 f = features[i]
-                if f.data is None or f.identifier in self.cache:
+                if f.data is None or f.identifier in self.store:
                     continue  # covered by the prefix cache, or already encoded
                 pending.setdefault(f.identifier, (f.modality, f.data))
         if not pending:
@@ -254,63 +234,53 @@ class MultimodalInputs:
                     self.encoder(n, _slice_items(kwargs, num_items, start, n))
                 )
         for key, out in zip(keys, outputs, strict=True):
-            self.cache.put(key, out)
+            self.store.put(key, out)
         if self.counts_metrics:
             metrics.ENCODER_RUNS.inc(len(keys))
 
-    def embed(
-        self, batch: StepBatch, states: list[RequestState]
-    ) -> tuple[torch.Tensor, dict[str, PlaceholderMap]]:
-        """[num_tokens, hidden] input embeddings of the step, and its row maps."""
-        num_tokens = batch.shape.num_tokens
-        text = self.model.embed_input_ids(batch.input_ids)  # [T, H]
-        chunks = [
-            RequestChunk(
-                chunk_start=s.num_computed_tokens,
-                chunk_len=int(n),
-                row_start=int(r),
-                items=tuple(
-                    ItemPlacement.from_range(f.identifier, f.modality, f.mm_position)
-                    for f in s.mm_features
-                ),
+    def attach_maps(
+        self, md: HpuMMAttentionMetadata, chunks: list[RequestChunk]
+    ) -> None:
+        """Write the step's placeholder maps (store rows to token rows, one per
+        modality, padded to the step's token rows) into its metadata."""
+        rows = md.num_decodes + md.num_prefill_tokens
+        host = build_placeholder_maps(
+            chunks, scratch_row=rows, modalities=self.modalities
+        )
+        md.mm_maps = {
+            modality: merge_map(
+                f"mm.{modality}",
+                flat_source_rows(m, {k: self.store.first_row(k) for k in m.item_keys}),
+                m.dst_row,
+                rows,
+                self._put,
             )
-            for s, n, r in zip(states, batch.query_lens, batch.row_starts, strict=True)
-            if s.mm_features
-        ]
-        maps = build_placeholder_maps(chunks, scratch_row=num_tokens, pad_to=next_pow2)
-        self.deepstack = None
-        if not maps:
-            return text, maps
-        # One scratch row past the end takes the padding entries' writes.
-        embeds = torch.cat([text, text.new_zeros(1, text.shape[1])])
-        hidden = text.shape[1]
-        deep: torch.Tensor | None = None
-        for m in maps.values():
-            outputs = [self.cache[k] for k in m.item_keys]
-            offsets = np.cumsum([0] + [o.shape[0] for o in outputs[:-1]])
-            src = flat_source_rows(m, dict(zip(m.item_keys, offsets, strict=True)))
-            flat = torch.cat(outputs).to(embeds.dtype)
-            rows = flat.index_select(0, torch.from_numpy(src).to(self.device))
-            dst = torch.from_numpy(m.dst_row).to(self.device)
-            if rows.shape[1] > hidden:  # deep-stack levels after the main rows
-                if deep is None:
-                    deep = rows.new_zeros(num_tokens + 1, rows.shape[1] - hidden)
-                deep.index_copy_(0, dst, rows[:, hidden:])
-                rows = rows[:, :hidden]
-            embeds.index_copy_(0, dst, rows)
-        if deep is not None:
-            self.deepstack = (
-                deep[:num_tokens].view(num_tokens, -1, hidden).transpose(0, 1)
-            )
-        return embeds[:num_tokens], maps
+            for modality, m in host.items()
+        }
 
-    def feed_deepstack(self, start: int, stop: int) -> None:
-        """Hand token rows [start, stop) of the step's deep-stack features to
-        the model before the pass over them (Qwen3-VL reads them in its
-        forward from a buffer its own ``embed_input_ids`` would fill, and
-        clears it after). Nothing when the step has none."""
-        if self.deepstack is not None:
-            self.model._set_deepstack_input_embeds(self.deepstack[:, start:stop])
+    def merge(
+        self, input_ids: torch.Tensor, maps: dict[str, MergeMap], eager: bool = False
+    ) -> torch.Tensor:
+        """[T, hidden] input embeddings of one pass (``maps`` from its
+        metadata), through the compiled merge unless ``eager``."""
+        merge = merge_rows if eager else self._merge
+        embeds, extra = merge(
+            self.model.embed_input_ids(input_ids),
+            self.store.rows,
+            tuple(m.src for m in maps.values()),
+            tuple(m.dst for m in maps.values()),
+        )
+        if extra is not None and any(m.num_real for m in maps.values()):
+            self._feed_deepstack(extra)
+        return embeds
+
+    def _feed_deepstack(self, extra: torch.Tensor) -> None:
+        """Hand the pass's deep-stack features [T, L * H] to the model (Qwen3-VL
+        reads them in its forward from a buffer its own ``embed_input_ids``
+        would fill, and clears it after)."""
+        t = extra.shape[0]
+        levels = extra.view(t, self.deepstack_levels, self.hidden).transpose(0, 1)
+        self.model._set_deepstack_input_embeds(levels)
 
 
 def warm_up_encoder(runner: Any, vllm_config: Any) -> int:

@@ -348,7 +348,8 @@ def _run_step(runner: HpuMMModelRunner, shape: ProfileShape, md: Any) -> None:
     kept = _run_encoder(runner, shape.encoder_items)
     embeds = None
     if runner.mm is not None:  # multimodal models run on merged embeddings
-        embeds = runner.mm.model.embed_input_ids(ids)
+        runner.mm.attach_maps(md, [])
+        embeds = runner.mm.merge(ids, md.mm_maps, eager=True)
     if runner.cross is not None:
         md.cross = _cross_metadata(runner.cross, t)
     with set_forward_context(md, runner.vllm_config, num_tokens=t):

@@ -55,15 +55,14 @@ def _padding_only_step(runner: HpuMMModelRunner, shape: StepShape) -> None:
     input_ids = runner.buffers.put("input_ids", zeros)
     positions = runner.buffers.put("positions", runner.zero_positions(num_tokens))
     assert runner.graphs is not None
-    embeds = None
-    if runner.mm is not None:  # multimodal models run on merged embeddings
-        embeds = runner.mm.model.embed_input_ids(input_ids)
+    if runner.mm is not None:  # the merge is compiled per token shape too
+        runner.mm.attach_maps(md, [])
     runner.graphs.run_step(
         md,
         runner.vllm_config,
-        None if embeds is not None else input_ids,
+        input_ids,
         positions,
-        embeds,
+        None if runner.mm is None else runner.mm.merge,
     )
 
 

@@ -189,7 +189,7 @@ class HpuMMWorker(WorkerBase):
         after a weight update, with the scheduler's records reset alongside)."""
         runner = self._runner()
         if runner.mm is not None:
-            self._log_reset("reset_encoder_cache", runner.mm.cache.clear(), "outputs")
+            self._log_reset("reset_encoder_cache", runner.mm.store.clear(), "outputs")
         if runner.cross is not None:
             self._log_reset("reset_encoder_cache", runner.cross.reset(), "image slots")
 

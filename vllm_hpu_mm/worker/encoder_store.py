@@ -156,7 +156,7 @@ class EncoderStore:
                 self.items[key] = (row, n)
             row += n
         self._free = [(row, self.capacity - row + 1)] if row <= self.capacity else []
-        logger.info(
+        logger.debug(
             "Encoder store compacted: %d items in rows 1..%d of %d",
             len(self.items),
             row - 1,

@@ -364,10 +364,11 @@ class HpuMMConfig(_Section):
     FusedSDPA); a graph is then keyed by the whole step shape (decode rows and blocks,
     prefill tokens and blocks) and warmup compiles every step shape. `opaque`: vLLM's
     opaque attention op runs between the compiled pieces; a graph is keyed by its
-    token rows only, so warmup compiles one graph per token count (on the CPU, for the
-    benchmark Llama: 18 compilations instead of 67, same throughput). `auto`: `traced`
-    on Gaudi, `opaque` on the CPU and CUDA. In eager mode attention is always called
-    directly."""
+    token rows only, so warmup compiles one graph per token count on Gaudi, and on the
+    CPU and CUDA, where the count is a symbolic size, two per compiled region (one row,
+    every larger count): for the benchmark Llama 4 compilations instead of 67.
+    `auto`: `traced` on Gaudi, `opaque` on the CPU and CUDA. In eager mode attention
+    is always called directly."""
     bucketing: BucketingConfig = Field(default_factory=BucketingConfig)
     """Shape bucketing."""
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)

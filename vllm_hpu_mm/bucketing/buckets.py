@@ -159,12 +159,18 @@ def count_graphs(
     decode_form: str = "flat",
     prefill_tile: int = 128,
     opaque_attention: bool = False,
+    symbolic_tokens: bool = False,
 ) -> int:
     """Graphs warmup compiles: every step key (with ``opaque_attention``, every
-    token count) plus one logits graph per batch size."""
+    token count) plus one logits graph per batch size. ``symbolic_tokens`` (opaque
+    attention on the CPU and CUDA): warmup's first, smallest size compiles a static
+    graph and the second a symbolic one that serves every larger size, so at most
+    two per region."""
     decode, prefill = step_shapes(buckets, limits, decode_form, prefill_tile)
     if opaque_attention:
         decode, prefill = token_shapes(decode, prefill)
+        if symbolic_tokens:
+            return min(2, len(decode) + len(prefill)) + min(2, len(buckets.batch))
     return len(decode) + len(prefill) + len(buckets.batch)
 
 

@@ -153,8 +153,15 @@ def attention_is_opaque(model: torch.nn.Module) -> bool:
 
 
 class GraphRunner:
-    """Runs the body and the logits head eagerly or compiled (one graph per
-    step shape and region; torch.compile with dynamic=False)."""
+    """Runs the body and the logits head eagerly or compiled.
+
+    Traced attention: one graph per step shape and region (torch.compile with
+    dynamic=False). Opaque attention, where a graph sees the token rows alone:
+    on Gaudi the same, one graph per token count; on the CPU and CUDA the token
+    count is a symbolic size (``dynamic``: torch's automatic dynamic shapes), so
+    each region compiles once for a single row (torch specialises sizes 0 and 1)
+    and once for every larger count, and the batch sizes of the logits head
+    likewise. Warmup still runs every bucket, and serving still pads to them."""
 
     def __init__(
         self,
@@ -172,6 +179,12 @@ class GraphRunner:
         # Attention as vLLM's opaque op (hpu_mm.graph_attention): graphs are then
         # keyed by their token rows only, not by the attention metadata's shapes.
         self.opaque_attention = attention_is_opaque(model)
+        self.symbolic_tokens = (
+            mode == "compile" and self.opaque_attention and dev.symbolic_token_graphs()
+        )
+        # torch.compile's ``dynamic``: None lets a second token count recompile
+        # the region with the count symbolic; False keeps every count static.
+        self.dynamic: bool | None = None if self.symbolic_tokens else False
         self._body: Callable[..., torch.Tensor] = self._run_body
         self._logits: Callable[[torch.Tensor], torch.Tensor] = self._run_logits
         if mode == "compile":
@@ -180,23 +193,24 @@ class GraphRunner:
             layers = decoder_layers(model) if regional else []
             if layers:
                 compiled = torch.compile(
-                    _call_layer, backend=self.counter, dynamic=False
+                    _call_layer, backend=self.counter, dynamic=self.dynamic
                 )
                 self.region = LayerRegion(layers, compiled)
             self.regions = len(layers)
             if not layers:  # whole body as one graph
                 self._body = torch.compile(
-                    self._run_body, backend=self.counter, dynamic=False
+                    self._run_body, backend=self.counter, dynamic=self.dynamic
                 )
             self._logits = torch.compile(
-                self._run_logits, backend=self.counter, dynamic=False
+                self._run_logits, backend=self.counter, dynamic=self.dynamic
             )
         logger.info(
-            "vllm-hpu-mm graph mode: %s (backend %s, %s, attention %s%s)",
+            "vllm-hpu-mm graph mode: %s (backend %s, %s, attention %s%s%s)",
             mode,
             backend,
             f"{self.regions} compiled decoder layers" if self.regions else "whole body",
             "opaque" if self.opaque_attention else "traced",
+            ", symbolic token count" if self.symbolic_tokens else "",
             f", compile cache {self.cache_dir}" if self.cache_dir else "",
         )
 

@@ -199,7 +199,7 @@ class MultimodalInputs:
         self._merge = merge_rows
         if graphs.mode == "compile":
             self._merge = torch.compile(
-                merge_rows, backend=graphs.counter, dynamic=False
+                merge_rows, backend=graphs.counter, dynamic=graphs.dynamic
             )
         self.counts_metrics = metrics.counts_items_here()
 

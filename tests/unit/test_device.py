@@ -91,6 +91,25 @@ def test_auto_chooses_hpu_when_habana_imports(habana: FakeHabana) -> None:
     assert device.device_kind() == "hpu"
 
 
+def test_gaudi_graphs_keep_static_token_counts(
+    habana: FakeHabana, cuda_available: None
+) -> None:
+    """Gaudi's graph compiler is driven with static shapes, one graph per bucket."""
+    assert device.device_kind() == "hpu"
+    assert device.symbolic_token_graphs() is False
+
+
+def test_cuda_and_cpu_graphs_take_a_symbolic_token_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert device.device_kind() == "cpu"
+    assert device.symbolic_token_graphs() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    select_device.cache_clear()
+    assert device.device_kind() == "cuda"
+    assert device.symbolic_token_graphs() is True
+
+
 def test_auto_prefers_hpu_over_cuda(habana: FakeHabana, cuda_available: None) -> None:
     assert select_device().kind == "hpu"
 

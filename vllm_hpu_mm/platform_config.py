@@ -179,6 +179,13 @@ def _set_compilation(vllm_config: VllmConfig) -> None:
     # vLLM's own compile pipeline and CUDA-graph capture are replaced by the
     # runner's graph wrapper (per bucket, per device).
     cc.mode = CompilationMode.NONE
+    # vLLM IR ops (RMSNorm, fused add + RMSNorm, ...) call their implementation
+    # directly instead of through a torch custom op: the custom-op wrapping is
+    # for vLLM's own compile pipeline, which lowers the ops in an inductor pass;
+    # ours has no such pass, so wrapped they stay opaque calls, unfused, in every
+    # compiled graph (and cost a dispatch each in eager mode). vLLM had decided
+    # this from its compile mode before the line above replaced it.
+    cc.ir_enable_torch_wrap = False
     cc.cudagraph_mode = CUDAGraphMode.NONE
     cc.cudagraph_capture_sizes = []
     cc.max_cudagraph_capture_size = 0

@@ -48,6 +48,8 @@ def make_config(**overrides: Any) -> SimpleNamespace:
             cudagraph_capture_sizes=[1, 2, 4],
             max_cudagraph_capture_size=4,
             custom_ops=["none"],
+            # What vLLM derives for its own compile mode with inductor.
+            ir_enable_torch_wrap=True,
         ),
     )
     for key, value in overrides.items():
@@ -77,6 +79,8 @@ def test_update_sets_defaults(device_type: str, block: int) -> None:
     assert cc.cudagraph_mode == CUDAGraphMode.NONE
     assert cc.cudagraph_capture_sizes == []
     assert cc.max_cudagraph_capture_size == 0
+    # IR ops call their implementation, so graphs trace (and fuse) it.
+    assert cc.ir_enable_torch_wrap is False
     fused = ["+RMSNorm", "+RotaryEmbedding", "+Llama3RotaryEmbedding"]
     expected_ops = ["none", *fused] if device_type == "hpu" else ["none"]
     assert cc.custom_ops == expected_ops

@@ -553,12 +553,32 @@ def test_traced_decode_runs_the_whole_bucket(
     key, value = torch.randn(2, 4, 2, 8, generator=gen)
     impl = HpuMMAttentionImpl(4, 8, 0.3, 2)
 
-    def run(c: torch.Tensor) -> torch.Tensor:
-        return impl.forward(None, query, key, value, c, md, torch.zeros_like(query))  # type: ignore[arg-type]
+    def run(c: torch.Tensor, m: object) -> torch.Tensor:
+        return impl.forward(None, query, key, value, c, m, torch.zeros_like(query))  # type: ignore[arg-type]
 
-    eager = run(cache.clone())
-    traced = torch.compile(run, backend="eager", fullgraph=True)(cache.clone())
+    eager = run(cache.clone(), md)
+    traced = torch.compile(run, backend="eager", fullgraph=True)(cache.clone(), md)
     real_blocks = 3 if form == "flat" else 2  # A's 2 + B's 1, or A's 2
     assert seen == [(2, real_blocks), (4, 8)]
     torch.testing.assert_close(traced[:2], eager[:2], atol=1e-6, rtol=1e-6)
     assert (eager[2:] == 0).all()  # eager: padding rows computed nothing
+    # Other real counts in the same bucket: the same graph (no guard on them).
+    monkeypatch.undo()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(run, backend=counter, fullgraph=True)
+    md1 = build_metadata(
+        Q[:1],
+        SEQ[:1],
+        TABLE[:1],
+        SLOTS[:1],
+        BS,
+        shape,
+        CPU,
+        decode_form=form,  # type: ignore[arg-type]
+    )
+    assert (md1.real_decodes, md1.real_decode_blocks) != (2, real_blocks)
+    compiled(cache.clone(), md)
+    compiled(cache.clone(), md1)
+    assert counter.frame_count == 1

@@ -191,11 +191,13 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         padding rows get zeros."""
         n_dec = md.num_decodes
         rows, blocks = n_dec, None
+        # is_compiling first: under Dynamo the real counts are never read (a
+        # read int is a guard: a graph per step's counts).
         if (
-            self.trim_eager
+            not torch.compiler.is_compiling()
+            and self.trim_eager
             and md.real_decodes is not None
             and md.real_decode_blocks is not None
-            and not torch.compiler.is_compiling()
         ):
             rows, blocks = md.real_decodes, md.real_decode_blocks
             if rows < n_dec:

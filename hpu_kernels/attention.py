@@ -231,24 +231,34 @@ def batched_decode_attention(
 ) -> torch.Tensor:
     """One query per request through a ``[B, M]`` block table (every request
     padded to M blocks). query: [B, H, D]; block_table: [B, M] (0 past the end);
-    seq_lens: [B] (0 on padding rows). Returns [B, H, D]."""
+    seq_lens: [B] (0 on padding rows). Returns [B, H, D].
+
+    GQA: the ``G = H / Hkv`` query heads that share a KV head are that head's
+    ``G`` query rows (``[B, Hkv, G, D]``): one decode query has one position,
+    so they share its mask. SDPA then reads each gathered KV head once, where
+    ``enable_gqa`` runs (and reads the keys for) every query head on its own:
+    on the CPU's flash kernel that measured 0.73 -> 0.62 ms a layer at 32
+    requests x 320 keys, 12/4 heads (bfloat16, 2 threads)."""
     batch, max_blocks = block_table.shape
     block_size = kv_cache.shape[2]
     num_keys = max_blocks * block_size
+    num_heads, head = query.shape[1], query.shape[2]
     keys, values = _gather_blocks(kv_cache, block_table)  # [B, Hkv, K, D]
+    num_kv_heads = keys.shape[1]
     key_pos = torch.arange(num_keys, device=query.device)[None, :]  # [1, K]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
     mask = key_pos <= q_pos
     if sliding_window is not None:
         mask = mask & (key_pos > q_pos - sliding_window)
     mask = mask | ((seq_lens <= 0)[:, None] & (key_pos == 0))  # padding rows
+    group = num_heads // num_kv_heads
     out = sdpa(
-        query.unsqueeze(2),  # [B, H, 1, D]
+        query.view(batch, num_kv_heads, group, head),  # [B, Hkv, G, D]
         keys.to(query.dtype),
         values.to(query.dtype),
         attn_mask=mask.view(batch, 1, 1, num_keys),
         is_causal=False,
         scale=scale,
-        enable_gqa=query.shape[1] != keys.shape[1],
+        enable_gqa=False,
     )
-    return out.squeeze(2)  # [B, H, D]
+    return out.reshape(batch, num_heads, head)  # [B, H, D]

@@ -394,14 +394,17 @@ def reference_attention(
     return out
 
 
+@pytest.mark.parametrize("trim", [True, False], ids=["trim", "bucket"])
 @pytest.mark.parametrize("form", ["flat", "batched"])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_metadata_drives_the_backend_like_the_reference(
-    block_size: int, window: int | None, form: str
+    block_size: int, window: int | None, form: str, trim: bool
 ) -> None:
     """A mixed step (decodes + chunked prefills), padded, through the backend's
-    forward (K/V write, decode and prefill kernels), whole and split."""
+    forward (K/V write, decode and prefill kernels), whole and split; decode
+    over the real rows and blocks only (``trim``, eager attention off Gaudi)
+    or over the whole bucket (as a traced graph runs it)."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head = 4, 2, 8
     scale = 0.35
@@ -472,6 +475,12 @@ def test_metadata_drives_the_backend_like_the_reference(
     impl = HpuMMAttentionImpl(
         num_heads, head, scale, num_kv_heads, sliding_window=window
     )
+    assert impl.trim_eager  # the CPU's default
+    impl.trim_eager = trim
+    assert (md.real_decodes, md.real_decode_blocks) == (
+        real.num_decodes,
+        real.decode_blocks,
+    )
     whole = impl.forward(
         None,
         query,
@@ -493,6 +502,8 @@ def test_metadata_drives_the_backend_like_the_reference(
     ]
     split = torch.cat(parts)
     assert torch.isfinite(whole).all()
+    if trim:  # padding decode rows computed nothing
+        assert (whole[real.num_decodes : md.num_decodes] == 0).all()
     # Real rows agree (padding rows read the null block, which both runs'
     # padding rows write in a different order).
     real_rows = torch.from_numpy(rows)
@@ -505,3 +516,69 @@ def test_metadata_drives_the_backend_like_the_reference(
         got = whole[torch.from_numpy(rows[k : k + n])].double()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         k += n
+
+
+@pytest.mark.parametrize("form", ["flat", "batched"])
+def test_traced_decode_runs_the_whole_bucket(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under Dynamo (attention traced into a graph) the decode reads the
+    bucket's rows and blocks, never the step's real counts (host ints a graph
+    would guard on); run eagerly it reads the real ones, same real rows."""
+    from vllm_hpu_mm.attention import backend
+
+    seen: list[tuple[int, int]] = []  # (rows, blocks) each kernel call got
+    for name in ("decode_attention", "batched_decode_attention"):
+        kernel = getattr(backend, name)
+
+        def spy(
+            query: torch.Tensor,
+            cache: torch.Tensor,
+            blocks: torch.Tensor,
+            *a: object,
+            _k: object = kernel,
+            **kw: object,
+        ) -> torch.Tensor:
+            width = blocks.shape[-1] if form == "batched" else blocks.shape[0]
+            seen.append((query.shape[0], width))
+            return _k(query, cache, blocks, *a, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(backend, name, spy)
+    q, seq = Q[:2], SEQ[:2]
+    shape = StepShape(4, 8, 0, 0)
+    md = build_metadata(q, seq, TABLE[:2], SLOTS[:2], BS, shape, CPU, decode_form=form)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 12, BS, 2, 8, generator=gen)
+    query = torch.randn(4, 4, 8, generator=gen)
+    key, value = torch.randn(2, 4, 2, 8, generator=gen)
+    impl = HpuMMAttentionImpl(4, 8, 0.3, 2)
+
+    def run(c: torch.Tensor, m: object) -> torch.Tensor:
+        return impl.forward(None, query, key, value, c, m, torch.zeros_like(query))  # type: ignore[arg-type]
+
+    eager = run(cache.clone(), md)
+    traced = torch.compile(run, backend="eager", fullgraph=True)(cache.clone(), md)
+    real_blocks = 3 if form == "flat" else 2  # A's 2 + B's 1, or A's 2
+    assert seen == [(2, real_blocks), (4, 8)]
+    torch.testing.assert_close(traced[:2], eager[:2], atol=1e-6, rtol=1e-6)
+    assert (eager[2:] == 0).all()  # eager: padding rows computed nothing
+    # Other real counts in the same bucket: the same graph (no guard on them).
+    monkeypatch.undo()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(run, backend=counter, fullgraph=True)
+    md1 = build_metadata(
+        Q[:1],
+        SEQ[:1],
+        TABLE[:1],
+        SLOTS[:1],
+        BS,
+        shape,
+        CPU,
+        decode_form=form,  # type: ignore[arg-type]
+    )
+    assert (md1.real_decodes, md1.real_decode_blocks) != (2, real_blocks)
+    compiled(cache.clone(), md)
+    compiled(cache.clone(), md1)
+    assert counter.frame_count == 1

@@ -135,6 +135,10 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         self.attn_type = attn_type
         # The SDPA kernel of the device: FusedSDPA on Gaudi, PyTorch's elsewhere.
         self.sdpa: SdpaFn = device.sdpa_kernel()
+        # Eager attention (opaque op, eager mode) reads the step's real decode
+        # rows and blocks, not its bucket's: shapes then change every step,
+        # free on the CPU and CUDA, a recompilation on Gaudi (lazy mode).
+        self.trim_eager = device.device_kind() != "hpu"
 
     def forward(
         self,
@@ -156,7 +160,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         write_kv(kv_cache, key, value, md.slot_mapping)
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
-            output[:n_dec] = self._decode(query[:n_dec], kv_cache, md)
+            self._decode_into(output, query, kv_cache, md)
         if n_pre:
             output[n_dec : n_dec + n_pre] = prefill_attention(
                 query[n_dec : n_dec + n_pre],
@@ -173,27 +177,64 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             )
         return output
 
+    def _decode_into(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: HpuMMAttentionMetadata,
+    ) -> None:
+        """Decode rows ``[0, num_decodes)`` of ``output``. Run eagerly (not
+        under Dynamo) on the CPU or CUDA, only the real rows and blocks are
+        computed: the bucket's padding blocks (a batched table of 32 blocks
+        for requests of at most 20, say) cost as much as real ones, and
+        padding rows get zeros."""
+        n_dec = md.num_decodes
+        rows, blocks = n_dec, None
+        # is_compiling first: under Dynamo the real counts are never read (a
+        # read int is a guard: a graph per step's counts).
+        if (
+            not torch.compiler.is_compiling()
+            and self.trim_eager
+            and md.real_decodes is not None
+            and md.real_decode_blocks is not None
+        ):
+            rows, blocks = md.real_decodes, md.real_decode_blocks
+            if rows < n_dec:
+                output[rows:n_dec].zero_()
+            if rows == 0:
+                return
+        output[:rows] = self._decode(query[:rows], kv_cache, md, rows, blocks)
+
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, md: HpuMMAttentionMetadata
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: HpuMMAttentionMetadata,
+        rows: int,
+        blocks: int | None,
     ) -> torch.Tensor:
+        """``rows`` decode rows over the first ``blocks`` blocks (flat list
+        entries, or batched table columns; None: all of them)."""
+        seq_lens = md.decode_seq_lens[:rows]
         if md.decode_form == "flat":
             return decode_attention(
                 query,
                 kv_cache,
-                md.decode_block_list,
-                md.decode_block_req,
-                md.decode_block_bias,
-                md.decode_block_key_pos,
-                md.decode_block_mapping,
-                md.decode_seq_lens,
+                md.decode_block_list[:blocks],
+                md.decode_block_req[:blocks],
+                md.decode_block_bias[:blocks],
+                md.decode_block_key_pos[:blocks],
+                md.decode_block_mapping[:rows, :blocks],
+                seq_lens,
                 self.scale,
                 self.sliding_window,
             )
         return batched_decode_attention(
             query,
             kv_cache,
-            md.decode_block_table,
-            md.decode_seq_lens,
+            md.decode_block_table[:rows, :blocks],
+            seq_lens,
             self.scale,
             self.sliding_window,
             sdpa=self.sdpa,

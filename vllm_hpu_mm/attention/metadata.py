@@ -152,6 +152,14 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     prefill_tile_span_hi: torch.Tensor | None = None
     """[NT, tq] int64: one past the last key column of the row's span, clipped
     to the keys computed so far (``lo == hi``: no span)."""
+    real_decodes: int | None = None
+    """Real (unpadded) decode rows, a host int; None when unknown."""
+    real_decode_blocks: int | None = None
+    """Real ``decode_blocks`` (flat: the real list's length; batched: the
+    widest real row's blocks), a host int; None when unknown. Attention that
+    runs eagerly (an opaque op between compiled pieces, or eager mode) reads
+    only these rows and blocks instead of the bucket's; a traced graph never
+    reads them (they would be guards)."""
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
@@ -553,6 +561,8 @@ def build_metadata(
         prefill_tile_span_hi=None
         if tiles.span_hi is None
         else t(tiles.span_hi, "prefill_tile_span_hi"),
+        real_decodes=num_dec,
+        real_decode_blocks=real.decode_blocks,
     )
 
 
@@ -584,6 +594,8 @@ def split_metadata(
     prefill = dataclasses.replace(
         md,
         num_decodes=0,
+        real_decodes=0,
+        real_decode_blocks=0,
         slot_mapping=md.slot_mapping[n_dec:],
         decode_seq_lens=empty(md.decode_seq_lens),
         decode_block_list=empty(md.decode_block_list),

@@ -56,6 +56,20 @@ class Clock:
         return timed
 
 
+def _step_parts(t: dict[str, float], total: float) -> dict[str, float]:
+    """A step's parts from one clock's totals (``t``: seconds by phase;
+    ``total``: the steps' whole time on that clock)."""
+    return {
+        "build_step": t["build_step"],
+        "body (no attention)": t["body"] - t["attention"],
+        "attention": t["attention"],
+        "logits": t["logits"],
+        "exec_other": t["execute_model"] - t["build_step"] - t["body"] - t["logits"],
+        "sample": t["sample"],
+        "engine": total - t["execute_model"] - t["sample"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=".bench/models/bench-llama")
@@ -189,32 +203,9 @@ def main() -> int:
         f"load {os.getloadavg()[0]:.2f}"
     )
     print(f"per step: wall {wall / n * 1e3:.2f} ms, process CPU {cpu / n * 1e3:.2f} ms")
-    body_attn = clock.cpu["attention"]
-    parts = {
-        "build_step": clock.cpu["build_step"],
-        "body (no attention)": clock.cpu["body"] - body_attn,
-        "attention": body_attn,
-        "logits": clock.cpu["logits"],
-        "exec_other": clock.cpu["execute_model"]
-        - clock.cpu["build_step"]
-        - clock.cpu["body"]
-        - clock.cpu["logits"],
-        "sample": clock.cpu["sample"],
-    }
-    parts["engine"] = cpu - clock.cpu["execute_model"] - clock.cpu["sample"]
+    parts = _step_parts(clock.cpu, cpu)
+    walls = _step_parts(clock.wall, wall)
     print(f"{'part':<22}{'cpu ms/step':>12}{'%':>7}{'wall ms/step':>14}")
-    walls = {
-        "build_step": clock.wall["build_step"],
-        "body (no attention)": clock.wall["body"] - clock.wall["attention"],
-        "attention": clock.wall["attention"],
-        "logits": clock.wall["logits"],
-        "exec_other": clock.wall["execute_model"]
-        - clock.wall["build_step"]
-        - clock.wall["body"]
-        - clock.wall["logits"],
-        "sample": clock.wall["sample"],
-    }
-    walls["engine"] = wall - clock.wall["execute_model"] - clock.wall["sample"]
     for k, v in parts.items():
         print(
             f"{k:<22}{v / n * 1e3:>12.2f}{100 * v / cpu:>7.1f}"

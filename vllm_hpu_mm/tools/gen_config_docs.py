@@ -59,8 +59,10 @@ starting point for your own file.
 The encoder cache has no key of its own: vLLM's scheduler decides which encoder
 outputs stay cached (its cache is counted in embedding rows and sized from
 `--max-num-batched-tokens`), and the worker keeps each output until the scheduler
-frees it. `LLM.llm_engine.reset_encoder_cache()` (vLLM calls it after a weight
-update) empties both, including Mllama's cross-attention image slots that no
+frees it, in its encoder store: one device tensor with as many rows as that cache,
+allocated at start-up (its size is in the start-up log).
+`LLM.llm_engine.reset_encoder_cache()` (vLLM calls it after a weight update) empties
+both, including Mllama's cross-attention image slots that no
 running request holds; `LLM.reset_mm_cache()` empties the input-processing caches
 and Mllama's idle image slots.
 

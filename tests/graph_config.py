@@ -26,3 +26,26 @@ def compiled_with_buckets(
             "warmup": {"progress_bar": False},
         }
     }
+
+
+def image_engine_in_graph_mode(
+    model_dir: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    buckets_yaml: str,
+    max_num_batched_tokens: int,
+) -> Any:
+    """A vision-language model in graph mode over ``buckets_yaml``, float32 (HF
+    parity), 4 sequences of up to 256 tokens, 2 images per prompt."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        limit_mm_per_prompt={"image": 2},
+        seed=0,
+        additional_config=compiled_with_buckets(tmp_path_factory, name, buckets_yaml),
+    )

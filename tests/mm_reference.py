@@ -131,20 +131,30 @@ def image_offsets(prompt_ids: Sequence[int], image_token_id: int) -> list[int]:
 
 
 @functools.cache
-def load_hf_llava(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
-    """``LlavaForConditionalGeneration`` in ``dtype`` (float32 unless told),
-    eval, eos disabled."""
-    from transformers import LlavaForConditionalGeneration
+def load_hf_vlm(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The checkpoint's own transformers class (``architectures[0]`` of its
+    config) in ``dtype`` (float32 unless told), eval, eos disabled."""
+    import json
+    from pathlib import Path
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    import transformers
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    model = cls.from_pretrained(model_dir, dtype=dtype).eval()
     # vLLM runs with ignore_eos=True in the comparisons: never stop early here.
     model.generation_config.eos_token_id = None
     return model
 
 
+def load_hf_llava(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
+    """``LlavaForConditionalGeneration`` (``load_hf_vlm``)."""
+    return load_hf_vlm(model_dir, dtype)
+
+
 @functools.cache
 def load_hf_processor(model_dir: str) -> Any:
-    """The saved ``LlavaProcessor`` (PIL CLIP image processor)."""
+    """The saved processor (``AutoProcessor``: PIL image processors)."""
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(model_dir)

@@ -22,7 +22,6 @@ Both sides get the same prompt text; vLLM must report HF's prompt ids. Greedy,
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,8 @@ from tests.mm_reference import (
     engine_lifetime,
     greedy_generate,
     hf_vlm_greedy,
+    load_hf_processor,
+    load_hf_vlm,
     make_image,
 )
 from vllm_hpu_mm.tools import tiny_model_specs as specs
@@ -86,23 +87,12 @@ def case(question: str, *names: str, preamble: str = "") -> Case:
 # --- HF reference ---------------------------------------------------------------
 
 
-@functools.cache
 def hf_model(model_dir: str) -> Any:
-    import torch
-    from transformers import Gemma3ForConditionalGeneration
-
-    model = Gemma3ForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None  # vLLM runs with ignore_eos
-    return model
+    return load_hf_vlm(model_dir)
 
 
-@functools.cache
 def hf_processor(model_dir: str) -> Any:
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(model_dir)
+    return load_hf_processor(model_dir)
 
 
 def hf_inputs(model_dir: str, c: Case) -> Any:

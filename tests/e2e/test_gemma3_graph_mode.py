@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_gemma3 import BUDGET, MAX_NEW, case, hf_greedy
-from tests.graph_config import compiled_with_buckets
+from tests.graph_config import image_engine_in_graph_mode
 from tests.mm_reference import engine_lifetime, greedy_generate
 from vllm_hpu_mm.metrics_reader import read_metric
 
@@ -31,22 +31,12 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from vllm import LLM
-
-    hpu_mm = compiled_with_buckets(
+    engine = image_engine_in_graph_mode(
+        model_dir,
         tmp_path_factory,
         "gemma3",
         f"prefill_tokens: [8, {BUDGET}]\ndecode_batch: [1, 4]\nblocks: [4, 16]\n",
-    )
-    engine = LLM(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=BUDGET,
-        limit_mm_per_prompt={"image": 2},
-        seed=0,
-        additional_config=hpu_mm,
+        BUDGET,
     )
     yield from engine_lifetime(engine)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.e2e
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module")
-def buckets_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+def write_buckets(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The small explicit bucket set both graph-mode modules serve on."""
     path = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
     path.write_text(
         "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n"
@@ -32,12 +33,13 @@ def buckets_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir: str, buckets_file: str) -> Iterator[object]:
+def graph_mode_llm(model_dir: str, buckets_file: str, graph_attention: str) -> Any:
+    """The tiny Llama in graph mode over ``buckets_file``, attention
+    ``traced`` or ``opaque``; small limits so steps are chunked and mixed."""
     from vllm import LLM
 
-    engine = LLM(
-        model=tiny_llama_dir,
+    return LLM(
+        model=model_dir,
         dtype="float32",
         max_model_len=256,
         max_num_seqs=4,
@@ -47,12 +49,20 @@ def llm(tiny_llama_dir: str, buckets_file: str) -> Iterator[object]:
         additional_config={
             "hpu_mm": {
                 "graph_mode": "compile",
-                "graph_attention": "traced",  # the Gaudi form (CPU default: opaque)
+                "graph_attention": graph_attention,
                 "bucketing": {"strategy": "explicit", "file": buckets_file},
                 "warmup": {"progress_bar": False},
             }
         },
     )
+
+
+@pytest.fixture(scope="module")
+def llm(
+    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[object]:
+    # The Gaudi form (the CPU's default is opaque: test_graph_mode_opaque.py).
+    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "traced")
     yield engine
     del engine
 

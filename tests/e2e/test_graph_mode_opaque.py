@@ -14,7 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.test_graph_mode import check_mixed_workload
+from tests.e2e.test_graph_mode import (
+    check_mixed_workload,
+    graph_mode_llm,
+    write_buckets,
+)
 from vllm_hpu_mm.metrics_reader import read_metric as _counter
 
 pytestmark = pytest.mark.e2e
@@ -24,29 +28,7 @@ pytestmark = pytest.mark.e2e
 def llm(
     tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[object]:
-    from vllm import LLM
-
-    path = tmp_path_factory.mktemp("buckets") / "tiny.yaml"
-    path.write_text(
-        "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n"
-    )
-    engine = LLM(
-        model=tiny_llama_dir,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        enable_chunked_prefill=True,
-        seed=0,
-        additional_config={
-            "hpu_mm": {
-                "graph_mode": "compile",
-                "graph_attention": "opaque",
-                "bucketing": {"strategy": "explicit", "file": str(path)},
-                "warmup": {"progress_bar": False},
-            }
-        },
-    )
+    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "opaque")
     yield engine
     del engine
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.graph_config import compiled_with_buckets
+from tests.graph_config import image_engine_in_graph_mode
 from tests.mm_reference import engine_lifetime, make_image
 from tests.qwen_reference import (
     Case,
@@ -43,22 +43,12 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from vllm import LLM
-
-    hpu_mm = compiled_with_buckets(
+    engine = image_engine_in_graph_mode(
+        model_dir,
         tmp_path_factory,
         "qwen2_5_vl",
         "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n",
-    )
-    engine = LLM(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=BUDGET,
-        seed=0,
-        limit_mm_per_prompt={"image": 2},
-        additional_config=hpu_mm,
+        BUDGET,
     )
     yield from engine_lifetime(engine)
 

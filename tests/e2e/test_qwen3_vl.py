@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.graph_config import compiled_with_buckets
+from tests.graph_config import image_engine_in_graph_mode
 from tests.mm_reference import engine_lifetime, make_image
 from tests.qwen_reference import Case, check_parity, qwen_prompt, tiny_qwen_dir
 from vllm_hpu_mm.metrics_reader import read_metric
@@ -34,25 +34,15 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from vllm import LLM
-
-    hpu_mm = compiled_with_buckets(
+    engine = image_engine_in_graph_mode(
+        model_dir,
         tmp_path_factory,
         "qwen3_vl",
         # The bucket file's two vision buckets (64, 256 patches) instead of the
         # doubling default: each image here fits one of them.
         "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n"
         "vision_patches: [64, 256]\n",
-    )
-    engine = LLM(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        seed=0,
-        limit_mm_per_prompt={"image": 2},
-        additional_config=hpu_mm,
+        32,
     )
     yield from engine_lifetime(engine)
 

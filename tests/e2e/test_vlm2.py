@@ -15,14 +15,19 @@ report the same ``prompt_token_ids``. Greedy, ``ignore_eos``, 10 new tokens.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from tests.mm_reference import engine_lifetime, greedy_generate, hf_vlm_greedy
+from tests.mm_reference import (
+    engine_lifetime,
+    greedy_generate,
+    hf_vlm_greedy,
+    load_hf_processor,
+    load_hf_vlm,
+)
 from vllm_hpu_mm.tools import tiny_model_specs as specs
 
 pytestmark = pytest.mark.e2e
@@ -108,23 +113,12 @@ def text_case(text: str = "What is the capital of France?") -> Case:
 # --- HF reference ---------------------------------------------------------------
 
 
-@functools.cache
 def hf_model(model_dir: str) -> Any:
-    import torch
-    from transformers import Idefics3ForConditionalGeneration
-
-    model = Idefics3ForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None  # vLLM runs with ignore_eos
-    return model
+    return load_hf_vlm(model_dir)
 
 
-@functools.cache
 def hf_processor(model_dir: str) -> Any:
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(model_dir)
+    return load_hf_processor(model_dir)
 
 
 def hf_inputs(model_dir: str, case: Case) -> Any:

@@ -295,3 +295,33 @@ def greedy_generate(llm: Any, inputs: Sequence[Any], max_new_tokens: int) -> lis
     outputs = llm.generate(list(inputs), params, use_tqdm=False)
     assert len(outputs) == len(inputs)
     return outputs
+
+
+def check_vlm_parity(
+    llm: Any,
+    cases: Sequence[Any],
+    hf_prompt_ids: Any,
+    hf_greedy: Any,
+    max_new: int,
+) -> list[Any]:
+    """Generate ``cases`` (with ``images`` and ``vllm_input()``) as one batch:
+    each prompt's ids equal ``hf_prompt_ids(case)`` and its greedy ids
+    ``hf_greedy(case)``; every difference is listed. Returns vLLM's outputs."""
+    outputs = greedy_generate(llm, [c.vllm_input() for c in cases], max_new)
+    problems = []
+    for i, (c, out) in enumerate(zip(cases, outputs, strict=True)):
+        want_prompt = hf_prompt_ids(c)
+        if list(out.prompt_token_ids) != want_prompt:
+            problems.append(
+                f"case {i} ({len(c.images)} images): prompt ids differ\n"
+                f"  vllm: {list(out.prompt_token_ids)}\n  hf:   {want_prompt}"
+            )
+            continue
+        got, want = list(out.outputs[0].token_ids), hf_greedy(c)
+        if got != want:
+            problems.append(
+                f"case {i} ({len(c.images)} images, prompt len {len(want_prompt)}): "
+                f"greedy ids differ\n  vllm: {got}\n  hf:   {want}"
+            )
+    assert not problems, "vLLM != HF:\n" + "\n".join(problems)
+    return outputs

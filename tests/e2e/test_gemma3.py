@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from tests.mm_reference import (
+    check_vlm_parity,
     engine_lifetime,
-    greedy_generate,
     hf_vlm_greedy,
     load_hf_processor,
     load_hf_vlm,
@@ -165,24 +165,13 @@ def llm(model_dir: str) -> Iterator[Any]:
 
 def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[Any]:
     """Generate ``cases`` as one batch: prompt ids and greedy ids equal HF's."""
-    outputs = greedy_generate(llm, [c.vllm_input() for c in cases], MAX_NEW)
-    problems = []
-    for i, (c, out) in enumerate(zip(cases, outputs, strict=True)):
-        want_prompt = hf_prompt_ids(model_dir, c)
-        if list(out.prompt_token_ids) != want_prompt:
-            problems.append(
-                f"case {i} ({len(c.images)} images): prompt ids differ\n"
-                f"  vllm: {list(out.prompt_token_ids)}\n  hf:   {want_prompt}"
-            )
-            continue
-        got, want = list(out.outputs[0].token_ids), hf_greedy(model_dir, c)
-        if got != want:
-            problems.append(
-                f"case {i} ({len(c.images)} images, prompt len {len(want_prompt)}): "
-                f"greedy ids differ\n  vllm: {got}\n  hf:   {want}"
-            )
-    assert not problems, "vLLM != HF:\n" + "\n".join(problems)
-    return outputs
+    return check_vlm_parity(
+        llm,
+        cases,
+        lambda c: hf_prompt_ids(model_dir, c),
+        lambda c: hf_greedy(model_dir, c),
+        MAX_NEW,
+    )
 
 
 # --- tests ----------------------------------------------------------------------

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from tests.mm_reference import (
+    check_vlm_parity,
     engine_lifetime,
-    greedy_generate,
     hf_vlm_greedy,
     load_hf_processor,
     load_hf_vlm,
@@ -171,33 +171,15 @@ def llm(model_dir: str) -> Iterator[Any]:
     yield from engine_lifetime(engine)
 
 
-def generate(llm: Any, cases: Sequence[Case]) -> list[Any]:
-    return greedy_generate(llm, [c.vllm_input() for c in cases], MAX_NEW)
-
-
-def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[list[int]]:
+def check_parity(llm: Any, model_dir: str, cases: Sequence[Case]) -> list[Any]:
     """Generate ``cases`` as one batch: prompt ids and greedy ids equal HF's."""
-    outputs = generate(llm, cases)
-    problems = []
-    got_all = []
-    for i, (case, out) in enumerate(zip(cases, outputs, strict=True)):
-        want_prompt = hf_prompt_ids(model_dir, case)
-        if list(out.prompt_token_ids) != want_prompt:
-            problems.append(
-                f"case {i} ({len(case.images)} images): prompt ids differ\n"
-                f"  vllm: {list(out.prompt_token_ids)}\n  hf:   {want_prompt}"
-            )
-            continue
-        got = list(out.outputs[0].token_ids)
-        got_all.append(got)
-        want = hf_greedy(model_dir, case)
-        if got != want:
-            problems.append(
-                f"case {i} ({len(case.images)} images, prompt len "
-                f"{len(want_prompt)}): greedy ids differ\n  vllm: {got}\n  hf:   {want}"
-            )
-    assert not problems, "vLLM != HF:\n" + "\n".join(problems)
-    return got_all
+    return check_vlm_parity(
+        llm,
+        cases,
+        lambda c: hf_prompt_ids(model_dir, c),
+        lambda c: hf_greedy(model_dir, c),
+        MAX_NEW,
+    )
 
 
 def placeholder_runs(ids: Sequence[int], token_ids: dict[str, int]) -> list[int]:

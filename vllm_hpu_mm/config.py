@@ -346,6 +346,16 @@ class MemoryConfig(_Section):
     )
     """Share of device memory kept free for compiled graphs after the KV cache is sized
     (as the official Gaudi plugin's `VLLM_GRAPH_RESERVED_MEM`)."""
+    decode_cache_fraction: float = Field(
+        default=0.25, ge=0.0, le=1.0, allow_inf_nan=False
+    )
+    """The CPU, where attention runs outside the compiled graphs (eager mode, or opaque
+    attention, the default): decode reads a dense copy of each decoding request's keys
+    and values (one slot per sequence, `max_num_seqs` x `max_model_len` tokens a layer)
+    instead of gathering its paged blocks in every layer. It is built when it needs at
+    most this share of the paged KV cache's bytes, on top of them; `0` turns it off.
+    Not used on Gaudi or CUDA (the KV cache fills the device memory left there) or with
+    traced attention."""
 
 
 class HpuMMConfig(_Section):

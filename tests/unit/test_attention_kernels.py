@@ -23,10 +23,12 @@ from hpu_kernels.attention import (
     batched_decode_attention,
     decode_attention,
     prefill_attention,
+    request_prefill_attention,
     write_kv,
 )
 from vllm_hpu_mm.attention.metadata import (
     batched_decode_table,
+    build_prefill_requests,
     flat_decode,
     prefill_context_blocks,
     prefill_tiles,
@@ -299,6 +301,63 @@ def test_prefill_matches_reference(
     assert out.shape == query.shape
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+def per_request(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    reqs: list[Req],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """request_prefill_attention over ``reqs``' rows (query may carry padding
+    rows past them), its inputs built as the metadata builds them."""
+    q = np.array([r.query_len for r in reqs], np.int64)
+    seq = np.array([r.seq_len for r in reqs], np.int64)
+    info = build_prefill_requests(q, seq, block_table_of(reqs), torch.device("cpu"))
+    n = int(q.sum())
+    keys = torch.cat([r.keys[r.prior :] for r in reqs])
+    values = torch.cat([r.values[r.prior :] for r in reqs])
+    pad = query.shape[0] - n
+    keys = torch.cat([keys, torch.full((pad, *keys.shape[1:]), 1e3)])
+    values = torch.cat([values, torch.full((pad, *values.shape[1:]), -1e3)])
+    return request_prefill_attention(
+        query, keys, values, cache, info.rows, info.block_table, info.masks,
+        scale, window,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 5, 11])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_per_request_prefill_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    """Fresh prompts (own K/V, SDPA's causal mask) and chunks with prior
+    context (their blocks, a bottom-right mask), with padding rows after."""
+    cache, reqs = make_scenario(PREFILL_SPECS, block_size, num_heads, num_kv_heads)
+    write_step(cache, reqs)
+    scale = 1 / math.sqrt(HEAD)
+    query = torch.cat([*(r.queries for r in reqs), torch.randn(3, num_heads, HEAD)])
+    out = per_request(query, cache, reqs, scale, window)
+    n = sum(r.query_len for r in reqs)
+    torch.testing.assert_close(
+        out[:n].double(), reference_for(reqs, scale, window), atol=ATOL, rtol=RTOL
+    )
+    assert (out[n:] == 0).all()
+
+
+def test_per_request_prefill_masks_only_chunks_with_context() -> None:
+    q = np.array([4, 3], np.int64)
+    seq = np.array([4, 5], np.int64)  # a fresh prompt; a chunk after 2 tokens
+    info = build_prefill_requests(
+        q, seq, np.zeros((2, 2), np.int64), torch.device("cpu")
+    )
+    assert info.rows == ((0, 4, 4), (4, 3, 5))
+    assert info.masks[0] is None
+    mask = info.masks[1]
+    assert mask is not None
+    assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
 
 
 @pytest.mark.parametrize("tile", [128, 4])
@@ -629,7 +688,9 @@ def test_random_step_mix_matches_reference(mix: dict) -> None:  # type: ignore[t
             sliding_window=window,
         )
         n = sum(r.query_len for r in pre)
-        torch.testing.assert_close(
-            out[:n].double(), reference_for(pre, scale, window), atol=ATOL, rtol=RTOL
-        )
+        expected = reference_for(pre, scale, window)
+        torch.testing.assert_close(out[:n].double(), expected, atol=ATOL, rtol=RTOL)
         assert torch.isfinite(out).all()
+        # The per-request form (attention outside any graph) agrees.
+        out2 = per_request(q, cache, pre, scale, window)
+        torch.testing.assert_close(out2[:n].double(), expected, atol=ATOL, rtol=RTOL)

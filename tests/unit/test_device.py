@@ -99,6 +99,30 @@ def test_gaudi_graphs_keep_static_token_counts(
     assert device.symbolic_token_graphs() is False
 
 
+def _split_mixed(mode: str) -> bool:
+    from vllm_hpu_mm.worker.graphs import GraphRunner
+
+    return GraphRunner(torch.nn.Linear(2, 2), mode, "eager").split_mixed
+
+
+def test_mixed_steps_split_where_a_pass_is_a_static_graph_key(
+    monkeypatch: pytest.MonkeyPatch, habana: FakeHabana
+) -> None:
+    """Gaudi: a mixed step is a decode pass and a prefill pass, eager (lazy
+    mode compiles every shape too) and compiled alike."""
+    assert device.device_kind() == "hpu"
+    assert _split_mixed("eager") is True
+    assert _split_mixed("compile") is True
+
+
+def test_mixed_steps_are_one_pass_off_gaudi_without_static_graphs() -> None:
+    """The CPU: eager mode has no graphs, so one pass; a model without vLLM
+    attention layers compiles its attention in (traced), so two passes."""
+    assert device.device_kind() == "cpu"
+    assert _split_mixed("eager") is False
+    assert _split_mixed("compile") is True
+
+
 def test_cuda_and_cpu_graphs_take_a_symbolic_token_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -264,3 +264,7 @@ def test_runner_merges_the_uncached_rows_of_a_cut_image(computed: int) -> None:
     image_rows = sum(1 for p in range(computed, 49) if 7 <= p < 23 or 30 <= p < 46)
     assert md.mm_maps["image"].num_real == image_rows
     assert md.mm_maps["image"].rows == batch.shape.num_tokens  # padded to the step
+    # As one pass (opaque attention or eager mode off Gaudi): the same rows.
+    (whole,) = step_passes(md, split=False)
+    assert (whole.start, whole.stop) == (0, batch.shape.num_tokens)
+    assert torch.equal(mm.merge(batch.input_ids, whole.attn_metadata.mm_maps), embeds)

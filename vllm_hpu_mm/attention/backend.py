@@ -32,7 +32,9 @@ from hpu_kernels.attention import (
     SdpaFn,
     batched_decode_attention,
     decode_attention,
+    dense_decode_attention,
     prefill_attention,
+    request_prefill_attention,
     write_kv,
 )
 from vllm_hpu_mm import device
@@ -160,8 +162,24 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         write_kv(kv_cache, key, value, md.slot_mapping)
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
-            self._decode_into(output, query, kv_cache, md)
-        if n_pre:
+            self._decode_into(output, query, key, value, kv_cache, md)
+        if n_pre and self._per_request(md):
+            reqs = md.prefill_requests
+            assert reqs is not None
+            rows = slice(n_dec, n_dec + n_pre)
+            output[rows] = request_prefill_attention(
+                query[rows],
+                key[rows],
+                value[rows],
+                kv_cache,
+                reqs.rows,
+                reqs.block_table,
+                reqs.masks,
+                self.scale,
+                self.sliding_window,
+                sdpa=self.sdpa,
+            )
+        elif n_pre:
             output[n_dec : n_dec + n_pre] = prefill_attention(
                 query[n_dec : n_dec + n_pre],
                 kv_cache,
@@ -177,10 +195,22 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             )
         return output
 
+    def _per_request(self, md: HpuMMAttentionMetadata) -> bool:
+        """Prefill request by request: outside any graph (is_compiling first:
+        under Dynamo the host-side lengths are never read), off Gaudi, where
+        the runner described the requests."""
+        return (
+            not torch.compiler.is_compiling()
+            and self.trim_eager
+            and md.prefill_requests is not None
+        )
+
     def _decode_into(
         self,
         output: torch.Tensor,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         kv_cache: torch.Tensor,
         md: HpuMMAttentionMetadata,
     ) -> None:
@@ -188,7 +218,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         under Dynamo) on the CPU or CUDA, only the real rows and blocks are
         computed: the bucket's padding blocks (a batched table of 32 blocks
         for requests of at most 20, say) cost as much as real ones, and
-        padding rows get zeros."""
+        padding rows get zeros; with a dense decode cache (``md.dense``) the
+        rows read their slots of it instead of gathering paged blocks."""
         n_dec = md.num_decodes
         rows, blocks = n_dec, None
         # is_compiling first: under Dynamo the real counts are never read (a
@@ -203,6 +234,23 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             if rows < n_dec:
                 output[rows:n_dec].zero_()
             if rows == 0:
+                return
+            if md.dense is not None:
+                step = md.dense
+                output[:rows] = dense_decode_attention(
+                    query[:rows],
+                    key[:rows],
+                    value[:rows],
+                    kv_cache,
+                    step.cache.tensor_for(kv_cache),
+                    step.slots,
+                    step.positions,
+                    step.fill_slots,
+                    step.fill_blocks,
+                    step.mask(self.sliding_window),
+                    self.scale,
+                    sdpa=self.sdpa,
+                )
                 return
         output[:rows] = self._decode(query[:rows], kv_cache, md, rows, blocks)
 

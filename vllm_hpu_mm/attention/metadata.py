@@ -33,6 +33,7 @@ import torch
 from vllm.v1.attention.backend import AttentionMetadata
 
 if TYPE_CHECKING:
+    from vllm_hpu_mm.attention.decode_cache import DenseDecodeStep
     from vllm_hpu_mm.worker.buffers import DeviceBuffers
     from vllm_hpu_mm.worker.merge import MergeMap
 
@@ -154,12 +155,54 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     to the keys computed so far (``lo == hi``: no span)."""
     real_decodes: int | None = None
     """Real (unpadded) decode rows, a host int; None when unknown."""
+    prefill_requests: PrefillRequests | None = None
+    """The prefill requests' lengths on the host, for attention that runs
+    outside any graph off Gaudi (one causal SDPA per request instead of the
+    tiles); None where the tiles are used."""
+    dense: DenseDecodeStep | None = None
+    """The decode rows' slots in the dense decode cache
+    (``attention.decode_cache``), set by the runner where attention runs
+    outside any graph on the CPU and CUDA; None: decode reads the paged cache."""
     real_decode_blocks: int | None = None
     """Real ``decode_blocks`` (flat: the real list's length; batched: the
     widest real row's blocks), a host int; None when unknown. Attention that
     runs eagerly (an opaque op between compiled pieces, or eager mode) reads
     only these rows and blocks instead of the bucket's; a traced graph never
     reads them (they would be guards)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequests:
+    """Per prefill request, for ``request_prefill_attention``."""
+
+    rows: tuple[tuple[int, int, int], ...]  # (first prefill row, query_len, seq_len)
+    block_table: torch.Tensor  # [P, >= max blocks] int64
+    masks: tuple[torch.Tensor | None, ...]  # [query_len, seq_len] bool, or None
+
+
+def build_prefill_requests(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    device: torch.device,
+) -> PrefillRequests:
+    """The prefill requests (``query_lens``, ``seq_lens``, ``block_table``
+    rows of the prefill requests alone), with the bottom-right causal mask of
+    each that has prior context."""
+    starts = np.cumsum(query_lens) - query_lens
+    rows = tuple(
+        (int(a), int(q), int(s))
+        for a, q, s in zip(starts, query_lens, seq_lens, strict=True)
+    )
+    masks: list[torch.Tensor | None] = []
+    for _, q, s in rows:
+        if q == s:
+            masks.append(None)
+            continue
+        mask = np.arange(s)[None, :] <= np.arange(s - q, s)[:, None]
+        masks.append(torch.from_numpy(mask).to(device))
+    table = torch.from_numpy(np.ascontiguousarray(block_table)).to(device)
+    return PrefillRequests(rows, table, tuple(masks))
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
@@ -492,6 +535,7 @@ def build_metadata(
     decode_form: DecodeForm = "flat",
     tile: int = PREFILL_TILE,
     spans: np.ndarray | None = None,
+    per_request_prefill: bool = False,
 ) -> HpuMMAttentionMetadata:
     """Build the step's metadata, padded to ``shape``.
 
@@ -502,6 +546,8 @@ def build_metadata(
     buffers: when given, the tensors are views of these reused device buffers.
     spans: [sum(query_lens), 2] bidirectional image spans of the real tokens
     (models with bidirectional image attention), or None.
+    per_request_prefill: also describe the prefill requests on the host
+    (``prefill_requests``, for attention outside any graph; not with spans).
     """
     num_dec = count_leading_decodes(query_lens)
     real = exact_shape(query_lens, seq_lens, block_size, decode_form, tile, spans)
@@ -563,6 +609,11 @@ def build_metadata(
         else t(tiles.span_hi, "prefill_tile_span_hi"),
         real_decodes=num_dec,
         real_decode_blocks=real.decode_blocks,
+        prefill_requests=build_prefill_requests(
+            query_lens[num_dec:], seq_lens[num_dec:], block_table[num_dec:], device
+        )
+        if per_request_prefill and n_tok and spans is None
+        else None,
     )
 
 
@@ -579,6 +630,7 @@ def split_metadata(
     decode = dataclasses.replace(
         md,
         num_prefill_tokens=0,
+        prefill_requests=None,
         slot_mapping=md.slot_mapping[:n_dec],
         prefill_tile_blocks=empty(md.prefill_tile_blocks),
         prefill_tile_mask=empty(md.prefill_tile_mask),
@@ -595,6 +647,7 @@ def split_metadata(
         md,
         num_decodes=0,
         real_decodes=0,
+        dense=None,
         real_decode_blocks=0,
         slot_mapping=md.slot_mapping[n_dec:],
         decode_seq_lens=empty(md.decode_seq_lens),

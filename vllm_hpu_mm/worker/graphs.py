@@ -7,7 +7,9 @@ decode rows and blocks, prefill blocks (see
 attention op between compiled pieces (opaque, the default elsewhere), so a graph
 is keyed by its token rows only. A mixed step runs as a decode
 pass and a prefill pass (``worker.inputs.step_passes``), so the two parts' keys
-add up instead of multiplying.
+add up instead of multiplying; where the token count is symbolic (opaque
+attention off Gaudi) or nothing is compiled (eager off Gaudi), as one pass,
+which reads the weights once (``GraphRunner.split_mixed``).
 
 Regional compilation (as the official Gaudi plugin does): each decoder layer
 (every child of a ``ModuleList`` holding vLLM attention layers) runs through one
@@ -185,6 +187,14 @@ class GraphRunner:
         # torch.compile's ``dynamic``: None lets a second token count recompile
         # the region with the count symbolic; False keeps every count static.
         self.dynamic: bool | None = None if self.symbolic_tokens else False
+        # A mixed step as two passes only where a pass's shape is a graph key:
+        # traced attention, or static token counts (Gaudi). Otherwise one pass
+        # over all rows is the same graph (or no graph) and reads the weights
+        # once: on the CPU a mixed step of 32 decodes and a 256-token prompt
+        # spent about as long in its decode pass as a whole decode step.
+        self.split_mixed = not (
+            dev.symbolic_token_graphs() and (mode != "compile" or self.opaque_attention)
+        )
         self._body: Callable[..., torch.Tensor] = self._run_body
         self._logits: Callable[[torch.Tensor], torch.Tensor] = self._run_logits
         if mode == "compile":
@@ -246,13 +256,14 @@ class GraphRunner:
         positions: torch.Tensor,
         merge: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The body over a step's token rows, one pass per part (a mixed step:
-        decode rows, then prefill rows), each under its own forward context.
+        """The body over a step's token rows, in one pass, or (a mixed step
+        where ``split_mixed``) one pass per part, decode rows then prefill
+        rows, each under its own forward context.
         Multimodal models: ``merge(input_ids, mm_maps)`` turns each pass's
         token ids into its input embeddings, reading the maps of the pass's
         metadata. Returns the hidden states of every token row, in row order."""
         outs = []
-        for p in step_passes(attn_metadata):
+        for p in step_passes(attn_metadata, split=self.split_mixed):
             ids = input_ids[p.start : p.stop]
             with set_forward_context(
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start

@@ -5,10 +5,13 @@ bucket's decode rows), then the prefill requests' tokens flattened (padded to
 the bucket's prefill tokens). Padding rows carry token 0 at position 0 and write
 the null block's slot, so they never touch a real KV slot.
 
-A mixed step runs as two passes (``step_passes``): the decode rows, then the
-prefill rows, each with its own metadata and graph key; the hidden states are
-concatenated back into the same token-row layout, so ``logits_rows`` is
-unchanged.
+A mixed step runs as two passes (``step_passes``) where graphs are keyed by
+static shapes: the decode rows, then the prefill rows, each with its own
+metadata and graph key; the hidden states are concatenated back into the same
+token-row layout, so ``logits_rows`` is unchanged. Where the graph key is the
+token count alone and that count is symbolic (opaque attention off Gaudi), or
+there are no graphs (eager off Gaudi), it runs as one pass: the weights are
+read once per step instead of twice.
 """
 
 from __future__ import annotations
@@ -113,12 +116,15 @@ def build_step(
     buffers: DeviceBuffers | None = None,
     decode_form: DecodeForm = "flat",
     bidirectional_images: bool = False,
+    per_request_prefill: bool = False,
 ) -> StepBatch:
     """Gather, choose the bucket and pad.
 
     ``shape_for(exact_shape, num_reqs) -> (padded shape, padded batch)``.
     ``bidirectional_images``: the model's image tokens attend to each other
     both ways (Gemma 3); the attention metadata then carries their spans.
+    ``per_request_prefill``: the metadata also describes the prefill requests
+    on the host (attention outside any graph off Gaudi).
     """
     token_ids, positions, slots, seq_lens, block_table = gather_step(
         states, query_lens, block_size
@@ -159,6 +165,7 @@ def build_step(
         buffers,
         decode_form,
         spans=spans,
+        per_request_prefill=per_request_prefill,
     )
 
     def t(a: np.ndarray, name: str) -> torch.Tensor:
@@ -188,10 +195,11 @@ class StepPass:
     attn_metadata: HpuMMAttentionMetadata
 
 
-def step_passes(md: HpuMMAttentionMetadata) -> list[StepPass]:
-    """The passes of a step: one, or (mixed step) decode rows then prefill rows."""
+def step_passes(md: HpuMMAttentionMetadata, split: bool = True) -> list[StepPass]:
+    """The passes of a step: one, or (a mixed step, ``split``) decode rows
+    then prefill rows."""
     n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
-    if not (n_dec and n_pre):
+    if not (split and n_dec and n_pre):
         return [StepPass(0, n_dec + n_pre, md)]
     decode, prefill = split_metadata(md)
     if isinstance(md.cross, CrossAttentionMetadata):

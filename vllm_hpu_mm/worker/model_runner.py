@@ -39,8 +39,10 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_hpu_mm import device as dev
+from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.multimodal.placeholders import request_chunks
 from vllm_hpu_mm.platform_config import is_mm_prefix_lm
+from vllm_hpu_mm.worker import cpu_linear
 from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
@@ -92,6 +94,9 @@ class HpuMMModelRunner:
             vocab_size, str(self.model_config.logprobs_mode)
         )
         self._pending: _PendingSample | None = None
+        # Dense per-request K/V for decode rows (``attention.decode_cache``),
+        # built with the KV cache where it applies.
+        self.decode_cache: DecodeCache | None = None
         # The last step's sampled tokens while they travel to the host
         # (``async_output``); read by the next step's inputs on the device.
         self._last_tokens: PendingTokens | None = None
@@ -127,6 +132,15 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
+        if dev.device_kind() == "cpu" and cpu_linear.supported():
+            packed = cpu_linear.pack_linear_weights(self.model)
+            if packed:
+                logger.info(
+                    "Linear layers: %d bfloat16 weights prepacked for oneDNN, used "
+                    "by calls of at most %d rows (decode)",
+                    packed,
+                    cpu_linear.PACKED_MAX_ROWS,
+                )
         self.graphs = GraphRunner(
             self.model,
             self._graph_mode(),
@@ -253,6 +267,52 @@ class HpuMMModelRunner:
             len(self.kv_caches),
             sum(t.numel() * t.element_size() for t in self.kv_caches.values()) / 2**20,
         )
+        self.decode_cache = self._build_decode_cache()
+
+    @property
+    def eager_attention(self) -> bool:
+        """Attention runs outside any compiled graph (eager mode, or opaque
+        attention) and off Gaudi: it may then read host-side lengths (per
+        request prefill, the dense decode cache) and run unbucketed shapes."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and (graphs.mode != "compile" or graphs.opaque_attention)
+            and dev.device_kind() != "hpu"
+        )
+
+    def _build_decode_cache(self) -> DecodeCache | None:
+        """The dense decode cache, where attention runs outside any graph on
+        the CPU and it fits ``memory.decode_cache_fraction`` of the KV cache."""
+        fraction = self.plugin_config.memory.decode_cache_fraction
+        # The CPU only: on an accelerator the KV cache was sized to fill the
+        # device memory left, so an extra copy of it would not fit.
+        if not (fraction > 0 and self.eager_attention and dev.device_kind() == "cpu"):
+            return None
+        if not self.kv_caches:
+            return None
+        slots = self.vllm_config.scheduler_config.max_num_seqs
+        max_len = self.model_config.max_model_len
+        paged = sum(t.numel() * t.element_size() for t in self.kv_caches.values())
+        dense = sum(
+            DecodeCache.bytes_per_layer(slots, max_len, self.block_size, t)
+            for t in self.kv_caches.values()
+        )
+        if dense > fraction * paged:
+            logger.info(
+                "Dense decode cache off: %d sequences x %d tokens need %.1f MiB, "
+                "more than memory.decode_cache_fraction=%g of the KV cache's "
+                "%.1f MiB; decode gathers paged blocks",
+                slots, max_len, dense / 2**20, fraction, paged / 2**20,
+            )  # fmt: skip
+            return None
+        logger.info(
+            "Dense decode cache: %d sequences x %d tokens, %.1f MiB",
+            slots,
+            max_len,
+            dense / 2**20,
+        )
+        return DecodeCache(slots, max_len, self.block_size, self.device)
 
     def profile_peak_activation_bytes(self) -> int:
         """Peak bytes of one step at the largest shapes (``worker.profile``)."""
@@ -289,7 +349,16 @@ class HpuMMModelRunner:
             self.buffers,
             self.shapes.decode_form,
             bidirectional_images=self.bidirectional_images,
+            per_request_prefill=self.eager_attention,
         )
+        if self.decode_cache is not None:
+            n_dec = batch.attn_metadata.real_decodes or 0
+            batch.attn_metadata.dense = self.decode_cache.plan(
+                req_ids[:n_dec],
+                batch.seq_lens[:n_dec],
+                [s.block_ids for s in states[:n_dec]],
+                req_ids[n_dec:],
+            )
         if self._last_tokens is not None:
             # Tokens sampled last step enter as placeholders; their ids come
             # from the device tensor the sampler wrote.
@@ -322,6 +391,8 @@ class HpuMMModelRunner:
     def _update_requests(self, scheduler_output: Any) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs.drop(req_id)
+            if self.decode_cache is not None:
+                self.decode_cache.drop(req_id)
         self.requests.update(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             self.prompt_logprobs.add(new.req_id, new.sampling_params)

@@ -1,6 +1,7 @@
-"""Mllama in graph mode: the vision encoder (per images bucket) and the language
-model (per token bucket) are compiled at warmup; serving a mixed batch with
-images of different tile counts then compiles nothing and matches HF."""
+"""Mllama in graph mode: the vision encoder (per images bucket; on the CPU a
+symbolic image count) and the language model (per token bucket) are compiled
+at warmup; serving a mixed batch with images of different tile counts then
+compiles nothing and matches HF."""
 
 from __future__ import annotations
 

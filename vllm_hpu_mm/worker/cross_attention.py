@@ -191,11 +191,18 @@ class CrossAttentionInputs:
         # Eager: the buffer the encoder fills. Graph mode: the graph makes it.
         self.encoder_states: torch.Tensor | None = None
         self._encode = model.encode_images
+        # Where the decoder's graphs take a symbolic token count (the CPU and
+        # CUDA), the encoder's takes a symbolic image count: a step's images
+        # are encoded as they are, not padded to the next bucket (3 -> 4,
+        # 5 -> 8), and warmup compiles two graphs (one image; any more).
+        self.symbolic_items = graphs.symbolic_tokens
         if graphs.mode != "compile":
             self.encoder_states = vision.new_states(most, device, dtype)
         else:
             self._encode = torch.compile(
-                model.encode_images, backend=graphs.counter, dynamic=False
+                model.encode_images,
+                backend=graphs.counter,
+                dynamic=None if self.symbolic_items else False,
             )
         # Every rank encodes every image: one of them counts the runs.
         self.counts_metrics = metrics.counts_items_here()
@@ -304,7 +311,7 @@ class CrossAttentionInputs:
     def encode(self, kwargs: dict[str, torch.Tensor], slots: list[int]) -> None:
         """Encode n images (padded to their bucket) into their cache slots."""
         n = len(slots)
-        size = smallest_fit(n, self.item_buckets) or n
+        size = n if self.symbolic_items else smallest_fit(n, self.item_buckets) or n
         for name, buf in self.inputs.items():
             buf[:n].copy_(kwargs[name])  # host or device, any dtype -> the buffer's
         states = self._run_encoder(size)
@@ -323,10 +330,13 @@ class CrossAttentionInputs:
         )
 
     def warm_up(self) -> int:
-        """Run every images-per-batch bucket once. Returns the number of shapes."""
-        for size in self.item_buckets:
+        """Run every images-per-batch bucket once (a symbolic image count:
+        one image, then two, which make the two graphs that serve every
+        count). Returns the number of shapes run."""
+        sizes = self.item_buckets[:2] if self.symbolic_items else self.item_buckets
+        for size in sizes:
             self._run_encoder(size)
-        return len(self.item_buckets)
+        return len(sizes)
 
     # ---- per step ------------------------------------------------------------------
     def metadata(

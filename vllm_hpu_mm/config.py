@@ -356,6 +356,11 @@ class MemoryConfig(_Section):
     most this share of the paged KV cache's bytes, on top of them; `0` turns it off.
     Not used on Gaudi or CUDA (the KV cache fills the device memory left there) or with
     traced attention."""
+    cpu_prepacked_linear: bool = True
+    """The CPU with bfloat16 oneDNN (AVX-512 BF16 or AMX): each bfloat16 linear weight
+    is also kept reordered for oneDNN, and calls of at most 64 rows (decode steps) use
+    it, 1.3-1.6x faster at 32 rows and bit-identical. It costs the linear weights'
+    bytes once more in host memory; `false` keeps only the plain weights."""
 
 
 class HpuMMConfig(_Section):

@@ -162,7 +162,7 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     dense: DenseDecodeStep | None = None
     """The decode rows' slots in the dense decode cache
     (``attention.decode_cache``), set by the runner where attention runs
-    outside any graph on the CPU and CUDA; None: decode reads the paged cache."""
+    outside any graph on the CPU; None: decode reads the paged cache."""
     real_decode_blocks: int | None = None
     """Real ``decode_blocks`` (flat: the real list's length; batched: the
     widest real row's blocks), a host int; None when unknown. Attention that

@@ -79,7 +79,24 @@ def supported() -> bool:
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Give every bfloat16 unquantized 2-D linear layer of ``model`` on the
     CPU a prepacked weight beside its own and the row-choosing call; returns
-    how many layers were packed."""
+    how many layers were packed. A later ``model.load_weights`` (weights
+    updated in place, as a reinforcement-learning worker does) packs them
+    again, so decode never reads stale weights."""
+    packed = _pack(model)
+    load = getattr(model, "load_weights", None)
+    if packed and callable(load) and not getattr(load, "_hpu_mm_repacks", False):
+
+        def load_and_repack(*args: object, **kwargs: object) -> object:
+            out = load(*args, **kwargs)
+            _pack(model)
+            return out
+
+        load_and_repack._hpu_mm_repacks = True  # type: ignore[attr-defined]
+        model.load_weights = load_and_repack  # type: ignore[method-assign,assignment]
+    return packed
+
+
+def _pack(model: torch.nn.Module) -> int:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     packed = 0

@@ -132,7 +132,8 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
-        if dev.device_kind() == "cpu" and cpu_linear.supported():
+        prepack = self.plugin_config.memory.cpu_prepacked_linear
+        if prepack and dev.device_kind() == "cpu" and cpu_linear.supported():
             packed = cpu_linear.pack_linear_weights(self.model)
             if packed:
                 logger.info(
@@ -312,7 +313,10 @@ class HpuMMModelRunner:
             max_len,
             dense / 2**20,
         )
-        return DecodeCache(slots, max_len, self.block_size, self.device)
+        cache = DecodeCache(slots, max_len, self.block_size, self.device)
+        for kv in self.kv_caches.values():  # allocated now, not mid-serving
+            cache.tensor_for(kv)
+        return cache
 
     def profile_peak_activation_bytes(self) -> int:
         """Peak bytes of one step at the largest shapes (``worker.profile``)."""
@@ -392,6 +396,11 @@ class HpuMMModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs.drop(req_id)
             if self.decode_cache is not None:
+                self.decode_cache.drop(req_id)
+        if self.decode_cache is not None:
+            # Preempted requests give their dense slots back now (they are
+            # rebuilt from the paged cache if they decode again).
+            for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
                 self.decode_cache.drop(req_id)
         self.requests.update(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:

@@ -343,7 +343,6 @@ def request_prefill_attention(
     block_table: torch.Tensor,
     masks: Sequence[torch.Tensor | None],
     scale: float,
-    sliding_window: int | None = None,
     sdpa: SdpaFn = F.scaled_dot_product_attention,
 ) -> torch.Tensor:
     """Causal prefill attention, one SDPA per request (host-side lengths).
@@ -353,18 +352,18 @@ def request_prefill_attention(
     order (rows past the last request are padding and get zeros);
     block_table: [P, >= max blocks] int64 the requests' blocks (read only for
     requests with prior context, which ``write_kv`` has already completed);
-    masks: per request None (no prior context: SDPA's own causal mask) or
-    [query_len, seq_len] bool, its bottom-right causal mask (built once per
-    step); a sliding window is added here, per layer.
+    masks: per request None (a fresh prompt without a sliding window: SDPA's
+    own causal mask) or [query_len, seq_len] bool, its bottom-right causal
+    mask, sliding window included (built once per step:
+    ``PrefillRequests.masks_for``).
     Returns [T, H, D].
     """
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
     block_size = kv_cache.shape[2]
     for i, (start, q_len, seq_len) in enumerate(requests):
-        prior = seq_len - q_len
         q = query[start : start + q_len].transpose(0, 1)[None]  # [1, H, q, D]
-        if prior == 0:
+        if seq_len == q_len:
             k = key[start : start + q_len].transpose(0, 1)[None]
             v = value[start : start + q_len].transpose(0, 1)[None]
         else:
@@ -374,11 +373,6 @@ def request_prefill_attention(
                 for t in _gather_blocks(kv_cache, blocks[None])
             )  # [1, Hkv, seq_len, D]
         mask = masks[i]
-        if sliding_window is not None:
-            q_pos = torch.arange(prior, seq_len, device=query.device)[:, None]
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            inside = (k_pos > q_pos - sliding_window) & (k_pos <= q_pos)
-            mask = inside if mask is None else mask & inside
         o = sdpa(
             q,
             k,

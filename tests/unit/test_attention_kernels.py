@@ -322,8 +322,8 @@ def per_request(
     keys = torch.cat([keys, torch.full((pad, *keys.shape[1:]), 1e3)])
     values = torch.cat([values, torch.full((pad, *values.shape[1:]), -1e3)])
     return request_prefill_attention(
-        query, keys, values, cache, info.rows, info.block_table, info.masks,
-        scale, window,
+        query, keys, values, cache, info.rows, info.block_table,
+        info.masks_for(window), scale,
     )  # fmt: skip
 
 
@@ -358,6 +358,14 @@ def test_per_request_prefill_masks_only_chunks_with_context() -> None:
     mask = info.masks[1]
     assert mask is not None
     assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # A window of 2 keys: built once and kept for the step's other layers.
+    fresh, chunk = info.masks_for(2)
+    assert fresh is not None and chunk is not None
+    assert fresh.int().tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1],
+    ]  # fmt: skip
+    assert chunk.int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert info.masks_for(2)[1] is chunk
 
 
 @pytest.mark.parametrize("tile", [128, 4])

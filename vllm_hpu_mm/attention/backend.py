@@ -174,9 +174,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
                 kv_cache,
                 reqs.rows,
                 reqs.block_table,
-                reqs.masks,
+                reqs.masks_for(self.sliding_window),
                 self.scale,
-                self.sliding_window,
                 sdpa=self.sdpa,
             )
         elif n_pre:

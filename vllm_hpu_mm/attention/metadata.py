@@ -178,6 +178,23 @@ class PrefillRequests:
     rows: tuple[tuple[int, int, int], ...]  # (first prefill row, query_len, seq_len)
     block_table: torch.Tensor  # [P, >= max blocks] int64
     masks: tuple[torch.Tensor | None, ...]  # [query_len, seq_len] bool, or None
+    _windowed: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def masks_for(self, sliding_window: int | None) -> tuple[torch.Tensor | None, ...]:
+        """Each request's mask for layers with this window: the causal ones
+        (None: SDPA's own causal mask), or, with a window, each one ANDed
+        with it. Built once per step and window, not per layer."""
+        if sliding_window is None:
+            return self.masks
+        if sliding_window not in self._windowed:
+            device = self.block_table.device
+            out = []
+            for _, q, s in self.rows:
+                q_pos = torch.arange(s - q, s, device=device)[:, None]
+                k_pos = torch.arange(s, device=device)[None, :]
+                out.append((k_pos <= q_pos) & (k_pos > q_pos - sliding_window))
+            self._windowed[sliding_window] = tuple(out)
+        return self._windowed[sliding_window]
 
 
 def build_prefill_requests(

@@ -155,6 +155,48 @@ class TestChunkedPrefill:
         _assert_same_tokens(got, hf_greedy(tiny_llama_dir, prompts, 8), prompts)
 
 
+class TestPreemption:
+    """A KV cache too small for the batch: vLLM preempts running requests
+    (their blocks freed, recomputed later), so decode rows leave and come back
+    with new blocks and recomputed K/V; outputs stay HF's. The dense decode
+    cache is off here: it is built only when it fits in the paged cache, and a
+    paged cache holding max_num_seqs x max_model_len tokens all but never preempts
+    (its own preemption handling is tested in tests/unit/test_decode_cache.py)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, tiny_llama_dir: str) -> Iterator[Any]:
+        from vllm import LLM
+
+        # 20 blocks of 16 tokens (2 layers x K, V x 2 heads x 16 x 4 bytes a
+        # token) hold 320 tokens: the six prompts' 308 plus 40 new tokens
+        # each do not fit at once.
+        llm = LLM(
+            model=tiny_llama_dir,
+            dtype="float32",
+            max_model_len=192,
+            enforce_eager=True,
+            seed=0,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=20 * 16 * 2 * 2 * 2 * 16 * 4,
+            disable_log_stats=False,  # for the preemption counter
+        )
+        try:
+            yield llm
+        finally:
+            _shutdown(llm)
+
+    def test_preempted_requests_match_hf(self, llm: Any, tiny_llama_dir: str) -> None:
+        prompts = _prompt_ids(tiny_llama_dir, MIXED_LENGTHS, seed=3)
+        got = _vllm_greedy(llm, prompts, max_tokens=40)
+        preemptions = sum(
+            getattr(m, "value", 0)
+            for m in llm.get_metrics()
+            if m.name == "vllm:num_preemptions"
+        )
+        assert preemptions > 0, "the KV cache was meant to be too small"
+        _assert_same_tokens(got, hf_greedy(tiny_llama_dir, prompts, 40), prompts)
+
+
 class TestDefaultBudget:
     """Default scheduler budget: greedy parity and the sampling options."""
 

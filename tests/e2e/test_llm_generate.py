@@ -55,14 +55,13 @@ def _prompt_ids(model_dir: str, lengths: tuple[int, ...], seed: int) -> list[lis
 def _make_llm(model_dir: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
-    return LLM(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        seed=0,
-        **kwargs,
-    )
+    settings: dict[str, Any] = {
+        "dtype": "float32",
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "seed": 0,
+    }
+    return LLM(model=model_dir, **(settings | kwargs))
 
 
 def _shutdown(llm: Any) -> None:
@@ -165,25 +164,16 @@ class TestPreemption:
 
     @pytest.fixture(scope="class")
     def llm(self, tiny_llama_dir: str) -> Iterator[Any]:
-        from vllm import LLM
-
         # 20 blocks of 16 tokens (2 layers x K, V x 2 heads x 16 x 4 bytes a
         # token) hold 320 tokens: the six prompts' 308 plus 40 new tokens
         # each do not fit at once.
-        llm = LLM(
-            model=tiny_llama_dir,
-            dtype="float32",
+        yield from _engine(
+            tiny_llama_dir,
             max_model_len=192,
-            enforce_eager=True,
-            seed=0,
             max_num_seqs=8,
             kv_cache_memory_bytes=20 * 16 * 2 * 2 * 2 * 16 * 4,
             disable_log_stats=False,  # for the preemption counter
         )
-        try:
-            yield llm
-        finally:
-            _shutdown(llm)
 
     def test_preempted_requests_match_hf(self, llm: Any, tiny_llama_dir: str) -> None:
         prompts = _prompt_ids(tiny_llama_dir, MIXED_LENGTHS, seed=3)

@@ -69,6 +69,11 @@ class DenseDecodeStep:
         return self._masks[sliding_window]
 
 
+def _held_len(max_model_len: int, block_size: int) -> int:
+    """Positions a slot holds: max_model_len rounded up to whole blocks."""
+    return -(-max_model_len // block_size) * block_size
+
+
 class DecodeCache:
     """Slots and per-layer dense tensors of the dense decode cache."""
 
@@ -79,7 +84,7 @@ class DecodeCache:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.block_size = block_size
-        self.max_len = -(-max_model_len // block_size) * block_size
+        self.max_len = _held_len(max_model_len, block_size)
         self.device = device
         self._tensors: dict[int, torch.Tensor] = {}
         self._slot_of: dict[str, int] = {}
@@ -92,7 +97,7 @@ class DecodeCache:
         num_slots: int, max_model_len: int, block_size: int, kv_cache: torch.Tensor
     ) -> int:
         """Bytes of one layer's dense tensor for a paged ``kv_cache`` layer."""
-        max_len = -(-max_model_len // block_size) * block_size
+        max_len = _held_len(max_model_len, block_size)
         _, _, _, num_kv_heads, head = kv_cache.shape
         return 2 * num_slots * num_kv_heads * max_len * head * kv_cache.element_size()
 

@@ -177,24 +177,35 @@ class PrefillRequests:
 
     rows: tuple[tuple[int, int, int], ...]  # (first prefill row, query_len, seq_len)
     block_table: torch.Tensor  # [P, >= max blocks] int64
-    masks: tuple[torch.Tensor | None, ...]  # [query_len, seq_len] bool, or None
-    _windowed: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _masks: dict[int | None, tuple[torch.Tensor | None, ...]] = field(
+        default_factory=dict
+    )
+
+    @property
+    def masks(self) -> tuple[torch.Tensor | None, ...]:
+        """The causal masks (no sliding window): ``masks_for(None)``."""
+        return self.masks_for(None)
 
     def masks_for(self, sliding_window: int | None) -> tuple[torch.Tensor | None, ...]:
-        """Each request's mask for layers with this window: the causal ones
-        (None: SDPA's own causal mask), or, with a window, each one ANDed
-        with it. Built once per step and window, not per layer."""
-        if sliding_window is None:
-            return self.masks
-        if sliding_window not in self._windowed:
+        """Each request's ``[query_len, seq_len]`` bool mask for layers with
+        this window: bottom-right causal, ANDed with the window; None for a
+        fresh prompt without a window (SDPA's own causal mask). Built once per
+        step and window, not per layer."""
+        if sliding_window not in self._masks:
             device = self.block_table.device
-            out = []
+            out: list[torch.Tensor | None] = []
             for _, q, s in self.rows:
+                if q == s and sliding_window is None:
+                    out.append(None)
+                    continue
                 q_pos = torch.arange(s - q, s, device=device)[:, None]
                 k_pos = torch.arange(s, device=device)[None, :]
-                out.append((k_pos <= q_pos) & (k_pos > q_pos - sliding_window))
-            self._windowed[sliding_window] = tuple(out)
-        return self._windowed[sliding_window]
+                mask = k_pos <= q_pos
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+                out.append(mask)
+            self._masks[sliding_window] = tuple(out)
+        return self._masks[sliding_window]
 
 
 def build_prefill_requests(
@@ -204,22 +215,14 @@ def build_prefill_requests(
     device: torch.device,
 ) -> PrefillRequests:
     """The prefill requests (``query_lens``, ``seq_lens``, ``block_table``
-    rows of the prefill requests alone), with the bottom-right causal mask of
-    each that has prior context."""
+    rows of the prefill requests alone); their masks are built on first use."""
     starts = np.cumsum(query_lens) - query_lens
     rows = tuple(
         (int(a), int(q), int(s))
         for a, q, s in zip(starts, query_lens, seq_lens, strict=True)
     )
-    masks: list[torch.Tensor | None] = []
-    for _, q, s in rows:
-        if q == s:
-            masks.append(None)
-            continue
-        mask = np.arange(s)[None, :] <= np.arange(s - q, s)[:, None]
-        masks.append(torch.from_numpy(mask).to(device))
     table = torch.from_numpy(np.ascontiguousarray(block_table)).to(device)
-    return PrefillRequests(rows, table, tuple(masks))
+    return PrefillRequests(rows, table)
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:

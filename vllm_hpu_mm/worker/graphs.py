@@ -187,14 +187,17 @@ class GraphRunner:
         # torch.compile's ``dynamic``: None lets a second token count recompile
         # the region with the count symbolic; False keeps every count static.
         self.dynamic: bool | None = None if self.symbolic_tokens else False
+        # Attention outside any compiled graph (eager mode, or opaque
+        # attention) and off Gaudi: it may read host-side lengths (per-request
+        # prefill, the dense decode cache) and run unbucketed shapes.
+        self.eager_attention = dev.symbolic_token_graphs() and (
+            mode != "compile" or self.opaque_attention
+        )
         # A mixed step as two passes only where a pass's shape is a graph key:
         # traced attention, or static token counts (Gaudi). Otherwise one pass
         # over all rows is the same graph (or no graph) and reads the weights
-        # once: on the CPU a mixed step of 32 decodes and a 256-token prompt
-        # spent about as long in its decode pass as a whole decode step.
-        self.split_mixed = not (
-            dev.symbolic_token_graphs() and (mode != "compile" or self.opaque_attention)
-        )
+        # once.
+        self.split_mixed = not self.eager_attention
         self._body: Callable[..., torch.Tensor] = self._run_body
         self._logits: Callable[[torch.Tensor], torch.Tensor] = self._run_logits
         if mode == "compile":

@@ -261,30 +261,25 @@ class HpuMMModelRunner:
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         self.kv_caches = allocate_kv_caches(self.vllm_config, config, self.device)
+        paged = sum(t.numel() * t.element_size() for t in self.kv_caches.values())
         logger.info(
             "KV cache: %d blocks of %d tokens, %d layers, %.1f MiB",
             config.num_blocks,
             self.block_size,
             len(self.kv_caches),
-            sum(t.numel() * t.element_size() for t in self.kv_caches.values()) / 2**20,
+            paged / 2**20,
         )
-        self.decode_cache = self._build_decode_cache()
+        self.decode_cache = self._build_decode_cache(paged)
 
     @property
     def eager_attention(self) -> bool:
-        """Attention runs outside any compiled graph (eager mode, or opaque
-        attention) and off Gaudi: it may then read host-side lengths (per
-        request prefill, the dense decode cache) and run unbucketed shapes."""
-        graphs = self.graphs
-        return (
-            graphs is not None
-            and (graphs.mode != "compile" or graphs.opaque_attention)
-            and dev.device_kind() != "hpu"
-        )
+        """``GraphRunner.eager_attention`` (False before ``load_model``)."""
+        return self.graphs is not None and self.graphs.eager_attention
 
-    def _build_decode_cache(self) -> DecodeCache | None:
+    def _build_decode_cache(self, paged: int) -> DecodeCache | None:
         """The dense decode cache, where attention runs outside any graph on
-        the CPU and it fits ``memory.decode_cache_fraction`` of the KV cache."""
+        the CPU and it fits ``memory.decode_cache_fraction`` of the KV cache's
+        ``paged`` bytes."""
         fraction = self.plugin_config.memory.decode_cache_fraction
         # The CPU only: on an accelerator the KV cache was sized to fill the
         # device memory left, so an extra copy of it would not fit.
@@ -294,7 +289,6 @@ class HpuMMModelRunner:
             return None
         slots = self.vllm_config.scheduler_config.max_num_seqs
         max_len = self.model_config.max_model_len
-        paged = sum(t.numel() * t.element_size() for t in self.kv_caches.values())
         dense = sum(
             DecodeCache.bytes_per_layer(slots, max_len, self.block_size, t)
             for t in self.kv_caches.values()

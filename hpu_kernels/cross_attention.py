@@ -15,12 +15,19 @@ Two layouts, like self-attention:
   request's ``M`` image slots (``slots[B, M]``, ``tile_mask[B, M, tiles]``);
 - prefill (flat): ``T`` tokens of all prefill requests read the concatenation of
   the step's ``N`` prefill image slots; ``tile_mask[T, N, tiles]`` keeps each
-  token to its own request's images.
+  token to its own request's images. Static shapes, for Gaudi's graphs;
+- prefill (per request, CPU and CUDA): one SDPA per request over the rows of
+  its own images only (``cross_attention_requests``): the flat form's
+  ``[T, N * rows]`` scores grow with the square of the step's requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 
 def _attend(
@@ -90,3 +97,43 @@ def cross_attention_prefill(
     q = query.view(t, hkv, h // hkv, d)
     out = _attend(q, key, value, _rows(tile_mask, padded, patches), scale)
     return out.reshape(t, h, d)
+
+
+class CrossRequest(NamedTuple):
+    """One prefill request's cross-attention, built on the host per step."""
+
+    start: int  # its first prefill row
+    length: int  # its rows
+    key_rows: torch.Tensor  # [K] int64 rows of the flattened cache it reads
+    mask: torch.Tensor | None  # [length, K] bool, True = read; None: all
+
+
+def cross_attention_requests(
+    query: torch.Tensor,  # [T, H, D]
+    cache: torch.Tensor,  # [2, S, rows, Hkv, D]
+    requests: Sequence[CrossRequest],
+    scale: float,
+) -> torch.Tensor:
+    """Prefill cross-attention one request at a time: each request's rows read
+    only its own images' real rows (``key_rows`` into ``cache`` flattened to
+    ``[S * rows, Hkv, D]``), through SDPA, which accumulates the scores in
+    float32. Rows of no request (padding) get zeros. Returns [T, H, D]."""
+    t, h, d = query.shape
+    hkv = cache.shape[3]
+    keys = cache[0].reshape(-1, hkv, d)
+    values = cache[1].reshape(-1, hkv, d)
+    out = query.new_zeros(t, h, d)
+    for r in requests:
+        q = query[r.start : r.start + r.length].transpose(0, 1)[None]  # [1, H, q, D]
+        k = keys.index_select(0, r.key_rows).transpose(0, 1)[None]  # [1, Hkv, K, D]
+        v = values.index_select(0, r.key_rows).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.to(query.dtype),
+            v.to(query.dtype),
+            attn_mask=None if r.mask is None else r.mask[None, None],
+            scale=scale,
+            enable_gqa=h != hkv,
+        )
+        out[r.start : r.start + r.length] = o[0].transpose(0, 1)
+    return out

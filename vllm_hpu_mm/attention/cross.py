@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 from vllm.forward_context import get_forward_context
 
-from hpu_kernels.cross_attention import cross_attention_decode, cross_attention_prefill
+from hpu_kernels.cross_attention import (
+    CrossRequest,
+    cross_attention_decode,
+    cross_attention_prefill,
+    cross_attention_requests,
+)
 
 
 @dataclass
@@ -31,6 +36,9 @@ class CrossAttentionMetadata:
     # Real rows of a tile; the cache holds the encoder's padded rows per tile
     # (``vision.rows_per_tile``), of which the rest are never read.
     patches: int | None = None
+    # Off Gaudi: the prefill requests, each reading only its own images
+    # (``cross_attention_requests``); None: the flat layout above.
+    pre_requests: list[CrossRequest] | None = None
 
 
 def cross_layer_registry(
@@ -67,7 +75,11 @@ def cross_attention(
             scale,
             cross.patches,
         )
-    if n_pre and cross.pre_slots.numel():
+    if n_pre and cross.pre_requests is not None:
+        out[n_dec : n_dec + n_pre] = cross_attention_requests(
+            query[n_dec : n_dec + n_pre], cache, cross.pre_requests, scale
+        )
+    elif n_pre and cross.pre_slots.numel():
         out[n_dec : n_dec + n_pre] = cross_attention_prefill(
             query[n_dec : n_dec + n_pre],
             cache,

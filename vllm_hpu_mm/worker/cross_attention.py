@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
+from hpu_kernels.cross_attention import CrossRequest
+from vllm_hpu_mm import device as device_mod
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
@@ -140,6 +142,33 @@ def tile_mask(
     return mask.reshape(len(positions), m, tiles), np.asarray(masked_out)
 
 
+def cross_request(
+    start: int,
+    slots: list[int],
+    mask: np.ndarray,
+    rows: int,
+    patches: int,
+    device: torch.device,
+) -> CrossRequest:
+    """A prefill request for ``cross_attention_requests``: the cache rows it
+    reads (the real rows of every tile of each of its images in ``slots``,
+    padding tiles too, which its rows before the first image read) and its
+    ``[rows, keys]`` mask from ``mask`` ([q, images, tiles], ``tile_mask``),
+    None where every row reads every key. ``rows``: cache rows of an image
+    (tiles x padded rows); ``patches``: real rows of a tile."""
+    q, n, tiles = mask.shape
+    padded = rows // tiles
+    tile_rows = (np.arange(tiles)[:, None] * padded + np.arange(patches)).reshape(-1)
+    key_rows = (np.asarray(slots, np.int64)[:, None] * rows + tile_rows).reshape(-1)
+    wide = np.repeat(mask.reshape(q, n * tiles), patches, axis=1)
+    return CrossRequest(
+        start=start,
+        length=q,
+        key_rows=torch.from_numpy(key_rows).to(device),
+        mask=None if wide.all() else torch.from_numpy(wide).to(device),
+    )
+
+
 def _bucket_inputs(
     vision: Any, size: int, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -196,6 +225,10 @@ class CrossAttentionInputs:
         # are encoded as they are, not padded to the next bucket (3 -> 4,
         # 5 -> 8), and warmup compiles two graphs (one image; any more).
         self.symbolic_items = graphs.symbolic_tokens
+        # Off Gaudi the prefill rows attend request by request, to their own
+        # images' rows only; Gaudi keeps the static flat layout (a request's
+        # key count is a shape: a graph each).
+        self.per_request = device_mod.device_kind() != "hpu"
         if graphs.mode != "compile":
             self.encoder_states = vision.new_states(most, device, dtype)
         else:
@@ -370,6 +403,21 @@ class CrossAttentionInputs:
                 pre_rows.append((row - n_dec_pad, len(pre_cols), mask))
                 pre_cols.extend(slots)
         n = _next_pow2(len(pre_cols)) if pre_cols else 0
+        requests = (
+            [
+                cross_request(
+                    r,
+                    pre_cols[c : c + m.shape[1]],
+                    m,
+                    self.rows,
+                    self.patches,
+                    self.device,
+                )
+                for r, c, m in pre_rows
+            ]
+            if self.per_request
+            else None
+        )
         pre_slots = np.zeros(n, np.int64)
         pre_slots[: len(pre_cols)] = pre_cols
         pre_mask = np.zeros((n_pre_pad, n, tiles), bool)
@@ -387,4 +435,5 @@ class CrossAttentionInputs:
             active=t(active[:, None]),
             mlp_scale=t(mlp_scale[:, None]),
             patches=self.patches,
+            pre_requests=requests,
         )

@@ -146,7 +146,15 @@ sys.exit(main())
 OURS_GRAPH = "vllm-hpu-mm (graph mode)"
 OURS_EAGER = "vllm-hpu-mm (eager)"
 HF_NAME = "HF transformers generate"
-VLLM_CPU = f"vLLM {VLLM_CPU_VERSION} CPU backend"
+# vLLM's CPU backend in its default torch.compile mode, and with --enforce-eager
+# (its C++ attention and GEMM kernels either way).
+VLLM_CPU = f"vLLM {VLLM_CPU_VERSION} CPU backend (compile)"
+VLLM_CPU_EAGER = f"vLLM {VLLM_CPU_VERSION} CPU backend (eager)"
+VLLM_CPU_MODES = ("compile", "eager")
+
+
+def vllm_cpu_name(mode: str) -> str:
+    return VLLM_CPU_EAGER if mode == "eager" else VLLM_CPU
 
 
 # --- the workload -------------------------------------------------------------------
@@ -420,14 +428,16 @@ def parse_vllm_log(log: str) -> dict[str, float | int]:
     return found
 
 
-def vllm_cpu_row(data: Mapping[str, Any], log: str, w: Workload) -> Row:
-    """vLLM's ``--output-json`` plus its log, as a ``Row``."""
+def vllm_cpu_row(
+    data: Mapping[str, Any], log: str, w: Workload, engine: str = VLLM_CPU
+) -> Row:
+    """vLLM's ``--output-json`` plus its log, as a ``Row`` named ``engine``."""
     elapsed = float(data["elapsed_time"])
     found = parse_vllm_log(log)
     output = int(found.get("output_tokens", w.output_tokens))
     prompt = int(found.get("prompt_tokens", int(data["total_num_tokens"]) - output))
     return Row(
-        engine=VLLM_CPU,
+        engine=engine,
         requests_per_s=float(data["requests_per_second"]),
         output_tokens_per_s=output / elapsed,
         total_tokens_per_s=float(data["tokens_per_second"]),
@@ -719,7 +729,9 @@ class Settings:
     threads: int
     cpus: tuple[int, ...]
     vllm_cpu_bind: str
-    vllm_cpu_eager: bool
+    # vLLM CPU's modes in the main table ("compile", "eager"); the scaling
+    # table runs the first
+    vllm_cpu_modes: tuple[str, ...]
     kv_cache_gib: int
     timeout_s: int
 
@@ -755,7 +767,10 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def run_vllm_cpu(python: Path, w: Workload, model: Path, s: Settings, tag: str) -> Row:
+def run_vllm_cpu(
+    python: Path, w: Workload, model: Path, s: Settings, tag: str, mode: str
+) -> Row:
+    tag = f"{tag}-{mode}"
     out = RESULTS_DIR / f"{tag}-vllm-cpu.json"
     out.unlink(missing_ok=True)
     env = _base_env()
@@ -766,10 +781,10 @@ def run_vllm_cpu(python: Path, w: Workload, model: Path, s: Settings, tag: str) 
     payload = prompts_payload(our_prompts(w, model), w.num_warmups, w.seed)
     prompts.write_text(json.dumps(payload))
     env[PROMPTS_ENV] = str(prompts)
-    cmd = vllm_cpu_command(python, w, model, out, s.kv_cache_gib, s.vllm_cpu_eager)
+    cmd = vllm_cpu_command(python, w, model, out, s.kv_cache_gib, mode == "eager")
     start = time.perf_counter()
     log = _run_logged(cmd, env, RESULTS_DIR / f"{tag}-vllm-cpu.log", s.timeout_s)
-    row = vllm_cpu_row(json.loads(out.read_text()), log, w)
+    row = vllm_cpu_row(json.loads(out.read_text()), log, w, vllm_cpu_name(mode))
     print(
         f"  {row.engine}: {row.requests_per_s:.2f} req/s "
         f"({time.perf_counter() - start:.0f} s wall)",
@@ -824,7 +839,10 @@ def _attempt(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def run_main(python: Path, w: Workload, model: Path, s: Settings) -> list[Row]:
     print(f"Main workload: {w}", flush=True)
     rows: list[Row] = []
-    cpu = _attempt(VLLM_CPU, run_vllm_cpu, python, w, model, s, "main")
+    cpus = [
+        _attempt(vllm_cpu_name(m), run_vllm_cpu, python, w, model, s, "main", m)
+        for m in s.vllm_cpu_modes
+    ]
     graph = _attempt(
         OURS_GRAPH, run_ours, w, model, s, "main", eager=False, with_hf=True
     )
@@ -833,9 +851,8 @@ def run_main(python: Path, w: Workload, model: Path, s: Settings) -> list[Row]:
     )
     for part in (graph, eager):
         rows += part or []
-    if cpu is not None:
-        rows.append(cpu)
-    order = [OURS_GRAPH, OURS_EAGER, HF_NAME, VLLM_CPU]
+    rows += [cpu for cpu in cpus if cpu is not None]
+    order = [OURS_GRAPH, OURS_EAGER, HF_NAME, VLLM_CPU, VLLM_CPU_EAGER]
     return sorted(rows, key=lambda r: order.index(r.engine))
 
 
@@ -850,7 +867,10 @@ def run_scaling(
             f"{w.num_prompts} requests",
             flush=True,
         )
-        cpu = _attempt(VLLM_CPU, run_vllm_cpu, python, w, model, s, tag)
+        mode = s.vllm_cpu_modes[0]
+        cpu = _attempt(
+            vllm_cpu_name(mode), run_vllm_cpu, python, w, model, s, tag, mode
+        )
         ours = _attempt(
             OURS_GRAPH, run_ours, w, model, s, tag, eager=False, with_hf=with_hf
         )
@@ -876,6 +896,16 @@ def _positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in VLLM_CPU_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct modes of {','.join(VLLM_CPU_MODES)}, got {text!r}"
+        )
+    return modes
 
 
 def _int_list(text: str) -> list[int]:
@@ -943,10 +973,12 @@ def build_parser() -> argparse.ArgumentParser:
         "nobind: leave them unpinned, like the other engines",
     )
     p.add_argument(
-        "--vllm-cpu-compile",
-        action="store_true",
-        help="vLLM CPU in its torch.compile mode (default: --enforce-eager; "
-        "its C++ attention and GEMM kernels either way)",
+        "--vllm-cpu-modes",
+        type=_modes,
+        default=list(VLLM_CPU_MODES),
+        help="vLLM CPU's modes in the main table, comma-separated: compile "
+        "(its default, torch.compile) and/or eager (--enforce-eager); the "
+        "scaling table runs the first (default: compile,eager)",
     )
     p.add_argument(
         "--kv-cache-gib",
@@ -975,7 +1007,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=args.threads,
         cpus=cpus,
         vllm_cpu_bind=args.vllm_cpu_bind,
-        vllm_cpu_eager=not args.vllm_cpu_compile,
+        vllm_cpu_modes=tuple(args.vllm_cpu_modes),
         kv_cache_gib=args.kv_cache_gib,
         timeout_s=args.timeout,
     )

@@ -251,6 +251,24 @@ def test_vllm_cpu_row(b: ModuleType) -> None:
     # without the log's counts: the output from the workload, the rest is prompt
     bare = b.vllm_cpu_row(data, "", w)
     assert (bare.prompt_tokens, bare.output_tokens, bare.startup_s) == (4096, 512, None)
+    eager = b.vllm_cpu_row(data, VLLM_LOG, w, b.vllm_cpu_name("eager"))
+    assert eager.engine == b.VLLM_CPU_EAGER != b.VLLM_CPU == b.vllm_cpu_name("compile")
+    assert "(eager)" in b.VLLM_CPU_EAGER and "(compile)" in b.VLLM_CPU
+
+
+def test_vllm_cpu_modes_flag(b: ModuleType) -> None:
+    """Both of vLLM CPU's modes by default, compile first (the scaling table's);
+    a subset or another order on request; unknown or repeated modes refused."""
+    parse = b.build_parser().parse_args
+    assert parse([]).vllm_cpu_modes == ["compile", "eager"]
+    assert parse(["--vllm-cpu-modes", "eager"]).vllm_cpu_modes == ["eager"]
+    assert parse(["--vllm-cpu-modes", "eager,compile"]).vllm_cpu_modes == [
+        "eager",
+        "compile",
+    ]
+    for bad in ("fast", "eager,eager", ""):
+        with pytest.raises(SystemExit):
+            parse(["--vllm-cpu-modes", bad])
 
 
 def _our_report(elapsed: dict[str, float]) -> dict[str, Any]:

@@ -354,8 +354,8 @@ def test_per_request_prefill_masks_only_chunks_with_context() -> None:
         q, seq, np.zeros((2, 2), np.int64), torch.device("cpu")
     )
     assert info.rows == ((0, 4, 4), (4, 3, 5))
-    assert info.masks[0] is None
-    mask = info.masks[1]
+    assert info.masks_for(None)[0] is None
+    mask = info.masks_for(None)[1]
     assert mask is not None
     assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     # A window of 2 keys: built once and kept for the step's other layers.

@@ -37,7 +37,8 @@ class CrossAttentionMetadata:
     # (``vision.rows_per_tile``), of which the rest are never read.
     patches: int | None = None
     # Off Gaudi: the prefill requests, each reading only its own images
-    # (``cross_attention_requests``); None: the flat layout above.
+    # (``cross_attention_requests``; the flat layout above is then empty,
+    # N = 0); None: the flat layout.
     pre_requests: list[CrossRequest] | None = None
 
 

@@ -181,11 +181,6 @@ class PrefillRequests:
         default_factory=dict
     )
 
-    @property
-    def masks(self) -> tuple[torch.Tensor | None, ...]:
-        """The causal masks (no sliding window): ``masks_for(None)``."""
-        return self.masks_for(None)
-
     def masks_for(self, sliding_window: int | None) -> tuple[torch.Tensor | None, ...]:
         """Each request's ``[query_len, seq_len]`` bool mask for layers with
         this window: bottom-right causal, ANDed with the window; None for a

@@ -402,9 +402,9 @@ class CrossAttentionInputs:
             else:
                 pre_rows.append((row - n_dec_pad, len(pre_cols), mask))
                 pre_cols.extend(slots)
-        n = _next_pow2(len(pre_cols)) if pre_cols else 0
-        requests = (
-            [
+        requests: list[CrossRequest] | None = None
+        if self.per_request:  # the flat layout stays empty
+            requests = [
                 cross_request(
                     r,
                     pre_cols[c : c + m.shape[1]],
@@ -415,9 +415,8 @@ class CrossAttentionInputs:
                 )
                 for r, c, m in pre_rows
             ]
-            if self.per_request
-            else None
-        )
+            pre_cols, pre_rows = [], []
+        n = _next_pow2(len(pre_cols)) if pre_cols else 0
         pre_slots = np.zeros(n, np.int64)
         pre_slots[: len(pre_cols)] = pre_cols
         pre_mask = np.zeros((n_pre_pad, n, tiles), bool)

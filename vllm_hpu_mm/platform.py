@@ -36,6 +36,9 @@ class _HpuMMPlatformBase(Platform):
     # vLLM's own @torch.compile helpers (sampler logprobs, vocab-parallel
     # embedding, CustomOp.maybe_compile) use this backend.
     simple_compile_backend = "inductor"
+    # The quantization methods the plugin runs: none yet. vLLM checks this list
+    # only when it is non-empty, so ``verify_quantization`` refuses every method
+    # itself, at start-up, in the process that parses the config.
     supported_quantization: list[str] = []
 
     @property
@@ -136,6 +139,22 @@ class _HpuMMPlatformBase(Platform):
                 "(this model needs an attention kind the plugin lacks)"
             )
         return ATTN_BACKEND_CLS
+
+    @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        """Refuse a quantized checkpoint (or ``--quantization``) while the config
+        is built, before any weight loads: otherwise a method the plugin has no
+        kernels for fails at load time or mid-serving."""
+        if quant in cls.supported_quantization:
+            return
+        supported = ", ".join(cls.supported_quantization) or "none"
+        raise ValueError(
+            f"vllm-hpu-mm does not run {quant!r} quantization (the checkpoint's "
+            "quantization_config or --quantization). Quantization methods it "
+            f"runs: {supported}; unquantized checkpoints in bfloat16, float16 or "
+            "float32 are served. Use an unquantized checkpoint, or serve this one "
+            "with another vLLM platform."
+        )
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -1,7 +1,9 @@
 # The two commands of the README:
-#   make demo   builds the tiny models, serves the tiny Mllama with `vllm serve`,
-#               sends a chat request with an image and prints what it proved
-#               (MODEL=..., HF_CHECK=auto|on|off, GRAPH_MODE=...: scripts/demo.sh)
+#   make demo   builds the models (tiny random ones and the real SmolLM2 from its
+#               package), serves SmolLM2 with `vllm serve` and asks it a question,
+#               then serves the tiny Mllama with an image; prints what each proved
+#               (MODEL=... serves that one alone; HF_CHECK=auto|on|off,
+#               GRAPH_MODE=...: scripts/demo.sh)
 #   make test   lint + unit + e2e tests
 # Both bootstrap .venv on first use.
 SHELL := /bin/bash
@@ -17,8 +19,16 @@ venv:
 models: venv
 	@$(PY) -m vllm_hpu_mm.tools.build_tiny_models --out models
 
+REAL_MODEL := models/smollm2-135m-instruct
+
 demo: models
+ifdef MODEL
 	@bash scripts/demo.sh
+else
+	@MODEL=$(REAL_MODEL) QUESTION="What is the capital of France?" EXPECT=Paris \
+		MAX_MODEL_LEN=512 MAX_NUM_BATCHED_TOKENS=128 bash scripts/demo.sh
+	@MODEL=models/tiny-mllama bash scripts/demo.sh
+endif
 
 lint: venv
 	$(VENV)/bin/ruff check vllm_hpu_mm hpu_kernels tests benchmarks scripts

@@ -15,6 +15,9 @@
 #   MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS engine limits (tiny models: 256 and 64, so
 #                                         few buckets; other checkpoints: up to 4096
 #                                         (the model's positions) and 1024)
+#   QUESTION, EXPECT                      the user's message, and a word the answer
+#                                         must contain (`make demo` asks the real
+#                                         SmolLM2 for the capital of France: Paris)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -86,8 +89,11 @@ done
 echo "demo: server healthy after ${SECONDS}s"
 
 status=0
+ask=()
+[ -z "${QUESTION:-}" ] || ask+=(--question "$QUESTION")
+[ -z "${EXPECT:-}" ] || ask+=(--expect "$EXPECT")
 "$PY" scripts/demo_request.py "$MODEL" --url "http://$HOST:$PORT" --log "$LOG" \
-    --hf-check "$HF_CHECK" || status=$?
+    --hf-check "$HF_CHECK" "${ask[@]}" || status=$?
 
 stop_server
 echo "demo: server stopped"

@@ -13,11 +13,16 @@ After the answer it prints four checks, each with where its evidence comes from:
    over the request, which must be 1 (0 for a text-only model).
 
 A model built by ``vllm_hpu_mm.tools`` (it carries ``tiny_model_build.json``) has
-random weights: its answer is noise by design, and the demo says so.
+random weights: its answer is noise by design, and the demo says so; it generates
+exactly MAX_TOKENS tokens (``ignore_eos``), as HF is asked to. A trained model
+(the default demo's SmolLM2) answers ``--question`` and stops at its end of turn:
+its tokens must then be a prefix of HF's greedy continuation, ending in an
+end-of-sequence token, and ``--expect WORD`` checks that the answer says WORD.
 
 Usage: demo_request.py MODEL_DIR --url http://HOST:PORT --log SERVER_LOG
-       [--hf-check auto|on|off]   (auto: compare with HF when the weights are
-       at most --hf-max-gib, default 2)
+       [--question TEXT] [--expect WORD] [--hf-check auto|on|off]
+       (auto: compare with HF when the weights are at most --hf-max-gib,
+       default 2)
 Exit status 1 if a check fails.
 """
 
@@ -58,20 +63,35 @@ def has_images(model: str) -> bool:
     return (Path(model) / "processor_config.json").is_file()
 
 
-def build_request(model: str) -> dict[str, Any]:
+def is_tiny(model: str) -> bool:
+    """A random-weights model of ``vllm_hpu_mm.tools`` (its answer is noise)."""
+    return (Path(model) / STAMP_FILE).is_file()
+
+
+def default_question(model: str) -> str:
+    if has_images(model):
+        return "What is in this picture?"
+    return "Hello! Write one sentence about the sea."
+
+
+def build_request(model: str, question: str | None = None) -> dict[str, Any]:
+    text = question or default_question(model)
     if has_images(model):
         content: object = [
             {"type": "image_url", "image_url": {"url": data_url(picture())}},
-            {"type": "text", "text": "What is in this picture?"},
+            {"type": "text", "text": text},
         ]
     else:
-        content = "Hello! Write one sentence about the sea."
+        content = text
     return {
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
-        "ignore_eos": True,  # HF generates exactly MAX_TOKENS too
+        # A tiny model's noise never ends: it generates exactly MAX_TOKENS, as
+        # HF does. A trained model stops at its end of turn (HF's continuation
+        # is then compared up to there).
+        "ignore_eos": is_tiny(model),
         "return_token_ids": True,  # the prompt ids HF is given
     }
 
@@ -167,6 +187,25 @@ def check(ok: bool | None, text: str) -> bool:
     return ok is not False
 
 
+def eos_ids(model: str) -> set[int]:
+    """The model's end-of-sequence ids (config and generation config)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value])
+    return {int(v) for v in ids if isinstance(v, int)}
+
+
+def matches_hf(got: list[int], want: list[int], stop_ids: set[int]) -> bool:
+    """``got`` is HF's greedy continuation: all of it, or (a request that
+    stopped early) its prefix up to an end-of-sequence token."""
+    if got == want:
+        return True
+    return bool(got) and got[-1] in stop_ids and want[: len(got)] == got
+
+
 def hf_check(args: argparse.Namespace, ids: list[int], got: list[int]) -> bool:
     size = weights_gib(args.model)
     if args.hf_check == "off" or (args.hf_check == "auto" and size > args.hf_max_gib):
@@ -177,12 +216,13 @@ def hf_check(args: argparse.Namespace, ids: list[int], got: list[int]) -> bool:
     same = next(
         (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None
     )
-    if got == want:
+    if matches_hf(got, want, eos_ids(args.model)):
         what = f"{len(ids)} prompt ids" + (" and image" if image is not None else "")
+        upto = "" if got == want else ", up to the end of turn"
         return check(
             True,
             f"greedy tokens equal HF transformers' for the same {what} "
-            f"({len(got)} of {len(want)} tokens, float32)",
+            f"({len(got)} of {len(want)} tokens{upto}, float32)",
         )
     return check(
         False,
@@ -195,17 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="the model directory the server serves")
     parser.add_argument("--url", required=True, help="the server, http://HOST:PORT")
     parser.add_argument("--log", type=Path, required=True, help="the server's log")
+    parser.add_argument(
+        "--question", help="the user's message (default: one fitting the model)"
+    )
+    parser.add_argument(
+        "--expect", help="a word the answer must contain (a trained model's check)"
+    )
     parser.add_argument("--hf-check", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--hf-max-gib", type=float, default=2.0)
     args = parser.parse_args(argv)
 
-    tiny = (Path(args.model) / STAMP_FILE).is_file()
-    if tiny:
+    if is_tiny(args.model):
         print(
             f"demo: {args.model} is a tiny test model with RANDOM weights: its answer "
             "is noise by design. What the run proves is listed after it."
         )
-    request = build_request(args.model)
+    request = build_request(args.model, args.question)
     shown = json.dumps(request)
     if has_images(args.model):
         shown = re.sub(
@@ -221,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo: answer token ids: {got}")
 
     print("demo: what this run proved")
-    ok = hf_check(args, prompt_ids, got)
+    ok = True
+    if args.expect:
+        said = args.expect.lower() in choice["message"]["content"].lower()
+        ok &= check(said, f"the answer says {args.expect!r}")
+    ok &= hf_check(args, prompt_ids, got)
     line = warmup_line(args.log)
     ok &= check(line is not None, f"server log: {line or 'no warmup line found'}")
     serving = after.get(SERVING_COMPILES, 0.0)

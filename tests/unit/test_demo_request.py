@@ -33,10 +33,14 @@ def demo() -> ModuleType:
     return module
 
 
-def _model_dir(tmp_path: Path, *, images: bool, weights_bytes: int = 10) -> Path:
+def _model_dir(
+    tmp_path: Path, *, images: bool, weights_bytes: int = 10, tiny: bool = True
+) -> Path:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"eos_token_id": 2}')
+    if tiny:
+        (model / "tiny_model_build.json").write_text("{}")
     if images:
         (model / "processor_config.json").write_text("{}")
     with (model / "model.safetensors").open("wb") as fh:
@@ -60,6 +64,27 @@ def test_image_request_carries_the_picture_and_asks_for_token_ids(
 def test_text_model_request_has_no_image(demo: ModuleType, tmp_path: Path) -> None:
     request = demo.build_request(str(_model_dir(tmp_path, images=False)))
     assert isinstance(request["messages"][0]["content"], str)
+
+
+def test_trained_model_answers_the_question_and_stops_at_its_end_of_turn(
+    demo: ModuleType, tmp_path: Path
+) -> None:
+    model = str(_model_dir(tmp_path, images=False, tiny=False))
+    request = demo.build_request(model, "What is the capital of France?")
+    assert request["messages"][0]["content"] == "What is the capital of France?"
+    assert request["ignore_eos"] is False
+    assert demo.eos_ids(model) == {2}
+
+
+def test_an_early_stop_matches_hf_only_up_to_an_end_of_sequence_token(
+    demo: ModuleType,
+) -> None:
+    want = [5, 6, 2, 9, 9]  # HF runs on past the end of turn (eos id 2)
+    assert demo.matches_hf(want, want, {2})
+    assert demo.matches_hf([5, 6, 2], want, {2})
+    assert not demo.matches_hf([5, 6], want, {2})  # stopped, but not at an eos
+    assert not demo.matches_hf([5, 7, 2], want, {2})
+    assert not demo.matches_hf([], want, {2})
 
 
 def test_warmup_line_is_the_last_one_in_the_log(

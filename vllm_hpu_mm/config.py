@@ -292,6 +292,10 @@ class BucketingConfig(_Section):
     fallback_max_pad_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """For a shape that no warmed-up bucket fits: pad it to at most this many times its
     real size. A shape beyond that runs at a new size, compiled on first use."""
+    record_steps: str | None = None
+    """File to append each served step's exact shape to, one JSON object a line (the
+    first rank writes; warmup is not recorded). `vllm-hpu-mm buckets plan --samples
+    FILE` fits bucket lists to it: buckets from live traffic."""
 
     @property
     def buckets(self) -> ExplicitBuckets | None:

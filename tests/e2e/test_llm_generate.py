@@ -12,9 +12,11 @@ costs seconds; a class-scoped engine is shut down before the next one starts):
 from __future__ import annotations
 
 import gc
+import json
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,12 +133,17 @@ class TestChunkedPrefill:
     """Small step budget: chunked prefills mixed with decodes."""
 
     @pytest.fixture(scope="class")
-    def llm(self, tiny_llama_dir: str) -> Iterator[Any]:
+    def record(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tmp_path_factory.mktemp("record") / "steps.jsonl"
+
+    @pytest.fixture(scope="class")
+    def llm(self, tiny_llama_dir: str, record: Path) -> Iterator[Any]:
         yield from _engine(
             tiny_llama_dir,
             enable_chunked_prefill=True,
             max_num_batched_tokens=32,
             max_num_seqs=8,
+            additional_config={"hpu_mm": {"bucketing": {"record_steps": str(record)}}},
         )
 
     def test_greedy_matches_hf(self, llm: Any, tiny_llama_dir: str) -> None:
@@ -152,6 +159,27 @@ class TestChunkedPrefill:
         prompts = _prompt_ids(tiny_llama_dir, lengths, seed=2)
         got = _vllm_greedy(llm, prompts, max_tokens=8)
         _assert_same_tokens(got, hf_greedy(tiny_llama_dir, prompts, 8), prompts)
+
+    def test_served_steps_are_recorded_for_the_planner(
+        self, llm: Any, record: Path
+    ) -> None:
+        """bucketing.record_steps: one line a served step, exact sizes. Prompts
+        of seeded random ids share no cached block with earlier ones, so the
+        recorded rows are every prompt token plus one decode row per new token
+        after the first."""
+        before = record.read_text().splitlines() if record.exists() else []
+        gen = torch.Generator().manual_seed(11)
+        lengths = (45, 7, 30)
+        prompts = [
+            torch.randint(FIRST_ORDINARY_ID, 200, (n,), generator=gen).tolist()
+            for n in lengths
+        ]
+        _vllm_greedy(llm, prompts, max_tokens=5)
+        steps = [json.loads(x) for x in record.read_text().splitlines()[len(before) :]]
+        rows = sum(s["prefill_tokens"] + s["num_decodes"] for s in steps)
+        assert rows == sum(lengths) + 4 * len(lengths)
+        assert all(0 < s["num_reqs"] <= 8 for s in steps)
+        assert all(s["prefill_tokens"] + s["num_decodes"] <= 32 for s in steps)
 
 
 class TestPreemption:

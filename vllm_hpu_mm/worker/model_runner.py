@@ -54,7 +54,12 @@ from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 from vllm_hpu_mm.worker.sampling import PromptLogprobs, build_logits_processors
-from vllm_hpu_mm.worker.shapes import ShapePolicy, bucket_set, engine_limits
+from vllm_hpu_mm.worker.shapes import (
+    ShapePolicy,
+    bucket_set,
+    engine_limits,
+    step_recorder,
+)
 from vllm_hpu_mm.worker.vision_buckets import patch_buckets
 from vllm_hpu_mm.worker.warmup import warm_up
 
@@ -105,6 +110,7 @@ class HpuMMModelRunner:
         self.shapes = ShapePolicy(
             bucket_set(engine_limits(vllm_config), bucketing),
             bucketing.fallback_max_pad_ratio,
+            recorder=step_recorder(bucketing.record_steps),
         )
         self.model: torch.nn.Module | None = None
         self.graphs: GraphRunner | None = None
@@ -251,6 +257,8 @@ class HpuMMModelRunner:
     def warmup(self) -> None:
         assert self.graphs is not None
         warm_up(self)
+        if self.shapes.recorder is not None:  # serving starts: record its steps
+            self.shapes.recorder.start()
 
     def get_model(self) -> torch.nn.Module:
         assert self.model is not None, "load_model() first"

@@ -12,6 +12,7 @@ from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import DecodeForm, StepShape
 from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, from_config
 from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
+from vllm_hpu_mm.bucketing.record import StepRecorder
 
 logger = logging.getLogger("vllm.hpu_mm.shapes")
 
@@ -29,6 +30,16 @@ def engine_limits(vllm_config: VllmConfig) -> Limits:
 def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
     """The configured buckets, or None when bucketing is off (exact shapes)."""
     return from_config(limits, bucketing)
+
+
+def step_recorder(path: str | None) -> StepRecorder | None:
+    """The recorder of ``bucketing.record_steps``, on the first rank only (every
+    rank of a step sees the same shape)."""
+    import torch.distributed as dist
+
+    if path is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return None
+    return StepRecorder(path)
 
 
 def opaque_attention(plugin_config: Any, kind: str, enforce_eager: bool) -> bool:
@@ -59,8 +70,11 @@ class ShapePolicy:
         buckets: BucketSet | None,
         max_pad_ratio: float = 2.0,
         decode_form: DecodeForm | None = None,
+        recorder: StepRecorder | None = None,
     ) -> None:
         self.buckets = buckets
+        # The served steps' exact shapes, for the planner (bucketing.record_steps).
+        self.recorder = recorder
         self.decode_form: DecodeForm = decode_form or decode_form_for(dev.device_kind())
         self.bucketer = (
             Bucketer(buckets, max_pad_ratio) if buckets is not None else None
@@ -68,6 +82,14 @@ class ShapePolicy:
 
     def __call__(self, exact: StepShape, num_reqs: int) -> tuple[StepShape, int]:
         metrics.SCHEDULED_TOKENS.inc(exact.num_tokens)
+        if self.recorder is not None:
+            self.recorder.record(
+                num_reqs,
+                exact.num_decodes,
+                exact.decode_blocks,
+                exact.num_prefill_tokens,
+                exact.prefill_blocks,
+            )
         if self.bucketer is None:
             return exact, num_reqs
         padded = self.bucketer.pad(

@@ -17,6 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# ParallelConfig imports vLLM's executors, whose module-level @torch.compile
+# helpers look the platform's compile backend up: imported here, before any
+# test's fake Habana process makes the platform HPU ('hpu_backend' unregistered).
+from vllm.config import ParallelConfig
+from vllm.v1 import executor as _executors  # noqa: F401
+
 from tests.fakes.habana import (
     HABANA_NAMES,
     LAZY_ENV,
@@ -343,3 +349,32 @@ def test_hf_generate_kwargs_match_the_mode(
 def test_optimum_check_refuses_graphs_without_lazy_mode() -> None:
     with pytest.raises(ValueError, match="HPU graphs require `lazy_mode`"):
         check_gaudi_generate_kwargs({"lazy_mode": False, "hpu_graphs": True})
+
+
+def test_data_parallel_engines_take_distinct_modules(
+    monkeypatch: pytest.MonkeyPatch, gaudi_process: GaudiProcess
+) -> None:
+    """--data-parallel-size 2 x --tensor-parallel-size 2 on one node: the
+    worker's host-local index is vLLM's own ``get_local_gpu_index`` (the local
+    rank offset by the DP engine), out of TP x local DP workers, as
+    ``HpuMMWorker.init_device`` passes them; the four workers take the four
+    listed modules, each once."""
+    cards = {}
+    for dp_rank in (1, 0):
+        pc = ParallelConfig(
+            tensor_parallel_size=2,
+            data_parallel_size=2,
+            data_parallel_rank=dp_rank,
+            data_parallel_rank_local=dp_rank,
+            data_parallel_size_local=2,
+        )
+        for local_rank in (0, 1):
+            monkeypatch.setenv(VISIBLE_MODULES_ENV, "4,5,6,7")
+            fake = gaudi_process(FakeGaudiHost(modules=(4, 5, 6, 7)), "worker")
+            device.claim_device(
+                pc.get_local_gpu_index(local_rank),
+                pc.local_world_size * pc.data_parallel_size_local,
+            )
+            device.synchronize()
+            cards[(dp_rank, local_rank)] = fake.hpu.card
+    assert cards == {(0, 0): 4, (0, 1): 5, (1, 0): 6, (1, 1): 7}

@@ -78,6 +78,9 @@ class HpuMMWorker(WorkerBase):
             from vllm_hpu_mm.fused_ops import register_fused_ops
 
             register_fused_ops()  # before the model's layers are built
+        from vllm_hpu_mm.moe import register_moe_method
+
+        register_moe_method()  # MoE layers on the plugin's experts kernel
         init_distributed_environment(
             pc.world_size,
             self.rank,

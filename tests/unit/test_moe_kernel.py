@@ -1,0 +1,96 @@
+"""The routed-experts kernel (``hpu_kernels.moe``): the dense reference's
+values in float64, the minimum matmul work (each token through its top-k
+experts only), and one graph for every routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpu_kernels.moe import dense_experts_reference, routed_experts, routed_experts_impl
+from vllm_hpu_mm.moe import softmax_top_k
+
+E, H, INTER, K = 8, 24, 12, 2
+
+
+def _weights(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, generator=gen, dtype=dtype) / H**0.5
+    w2 = torch.randn(E, H, INTER, generator=gen, dtype=dtype) / INTER**0.5
+    return w13, w2
+
+
+def _tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=gen, dtype=torch.float64)
+    logits = torch.randn(n, E, generator=gen, dtype=torch.float64)
+    weights, ids = softmax_top_k(logits, K, renormalize=True, dtype=x.dtype)
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+def test_routed_equals_the_dense_reference(num_tokens: int) -> None:
+    w13, w2 = _weights()
+    x, weights, ids = _tokens(num_tokens, seed=num_tokens)
+    got = routed_experts(x, w13, w2, weights, ids)
+    want = dense_experts_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_expert_nobody_routes_to_costs_nothing() -> None:
+    w13, w2 = _weights()
+    x, weights, _ = _tokens(6, seed=1)
+    ids = torch.tensor([[0, 3]] * 6)  # experts 1, 2, 4.. get no token
+    got = routed_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, dense_experts_reference(x, w13, w2, weights, ids))
+
+
+def test_matmul_work_is_the_routed_minimum() -> None:
+    """Each (token, expert) pair once through its expert's two matmuls:
+    2 * T * k * (2I * H + H * I) flops, not E / k times that."""
+    w13, w2 = _weights(torch.float32)
+    x, weights, ids = _tokens(33, seed=2)
+    x = x.float()
+    with FlopCounterMode(display=False) as counter:
+        routed_experts_impl(x, w13, w2, weights.float(), ids)
+    minimum = 2 * 33 * K * (2 * INTER * H + H * INTER)
+    assert counter.get_total_flops() == minimum
+    with FlopCounterMode(display=False) as dense:
+        dense_experts_reference(x, w13, w2, weights.float(), ids)
+    assert dense.get_total_flops() >= (E // K) * minimum  # what routing saves
+
+
+def test_renormalised_weights_sum_to_one_and_follow_the_logits() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    weights, ids = softmax_top_k(logits, 2, renormalize=True, dtype=torch.float32)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+    raw, _ = softmax_top_k(logits, 2, renormalize=False, dtype=torch.float32)
+    torch.testing.assert_close(raw, torch.softmax(logits, -1)[:, [1, 2]])
+
+
+def test_one_compiled_graph_serves_every_routing() -> None:
+    """The op hides the routing-dependent segment sizes: a compiled caller
+    sees a fixed output shape, so a new routing does not recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    w13, w2 = _weights(torch.float32)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=False, fullgraph=True)
+    def layer(x: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return routed_experts(x, w13, w2, w, i)
+
+    x = torch.randn(16, H)
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, E, (16, K), generator=gen)
+        weights = torch.rand(16, K, generator=gen)
+        torch.testing.assert_close(
+            layer(x, weights, ids),
+            dense_experts_reference(x, w13, w2, weights, ids),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    assert counter.frame_count == 1

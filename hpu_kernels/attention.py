@@ -24,8 +24,11 @@ Each kernel costs what the step's tokens need, not the square of the step:
   (max, sum, weighted values) for its request's query, and a per-request
   reduction combines them. Cost ``NB x BS``: a short request no longer pays for
   the longest one.
-- ``batched_decode_attention``: the previous ``[B, M]`` block-table form, kept
-  as a reference and for measurement.
+- ``batched_decode_attention``: the ``[B, M]`` block-table form (every row
+  padded to the widest table, through SDPA), the decode form off Gaudi
+  (``worker.shapes.decode_form_for``: CPU and CUDA), where it measured faster
+  than the flat list's small per-block matmuls; eager on the CPU the dense
+  decode cache below replaces it when the cache is built.
 - ``request_prefill_attention`` (the CPU and CUDA, attention outside any
   graph): request by request, a whole prompt attends its own new K/V with
   SDPA's causal kernel (no mask, no gather: the upper triangle is skipped),

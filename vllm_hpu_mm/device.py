@@ -259,13 +259,12 @@ def manual_seed_all(seed: int) -> None:
 
 
 def _host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host RAM, from /proc/meminfo."""
-    info: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-    return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+    """(available, total) bytes of host RAM (psutil: ``MemAvailable`` and
+    ``MemTotal`` of /proc/meminfo on Linux)."""
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return int(mem.available), int(mem.total)
 
 
 def memory_info() -> tuple[int, int]:

@@ -1,10 +1,30 @@
-"""Every unavoidable patch of vLLM or torch, in one place.
+"""The register of patches to vLLM's or torch's functions (``PATCHES``).
 
 Each entry says why it exists, what it changes and when it can go. Patches are
 applied by ``apply_patches()`` from the platform plugin entry point (vLLM
 resolves the platform in every process that uses it, engine or not), the
 general plugin entry point and the worker's ``init_device`` (never at import),
 only where their condition holds, and each at most once.
+
+Not every change the plugin makes to code or state it does not own is here.
+These live beside the code they serve, each with its reason written there:
+
+- ``models/compat.py``: ``sys.modules`` entries for transformers' torchvision
+  image processors (Pixtral, Qwen2-VL, Gemma 3) pointed at their PIL twins
+  when torchvision does not import, before vLLM imports its model modules.
+- ``worker/graphs.py``: in graph mode each decoder layer's ``forward`` is
+  replaced by a call of its compiled region, its attention layers'
+  ``layer_name`` by a per-position alias, and the forward context's
+  ``no_compile_layers`` by the step's own copy (``LayerRegion``,
+  ``_own_layer_table``); Dynamo's recompile limits are raised and
+  ``TORCHINDUCTOR_CACHE_DIR`` is set to ``hpu_mm.warmup.compile_cache_dir``.
+- ``device.py``: on Gaudi, ``HABANA_VISIBLE_MODULES`` narrowed to the local
+  worker's module (``select_card``) and Dynamo disabled in lazy mode
+  (``claim_device``).
+- ``platform_config.py``: ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` for HPU
+  workers (an explicit choice is kept).
+- ``serving/__init__.py``: ``VLLM_MEDIA_CONNECTOR`` defaults to the plugin's
+  connector; ``__init__.py``: ``PROMETHEUS_MULTIPROC_DIR`` when unset.
 """
 
 from __future__ import annotations

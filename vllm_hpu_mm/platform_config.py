@@ -32,7 +32,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _keep_images_whole(vllm_config)  # 2b. bidirectional images: never cut one
     _choose_worker(vllm_config)  # 3. our worker, whatever the device
     _set_block_size(vllm_config, device_type)  # 4. KV block size
-    _set_scheduling(vllm_config)  # 5. synchronous scheduling (no overlap)
+    _set_scheduling(vllm_config)  # 5. async (vLLM's default) or sync: logged
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests

@@ -16,7 +16,10 @@ from vllm_hpu_mm.bench.stats import (
     HF,
     SCHEMA,
     VLLM,
+    BackendResult,
+    Report,
     RequestRecord,
+    VllmResult,
     backend_result,
     build_report,
     check_report,
@@ -339,6 +342,24 @@ def test_report_schema_catches_problems() -> None:
         f"schema is 'x', expected {SCHEMA!r}",
         "results: no backend ran",
     ]
+
+
+def test_report_json_schema_names_every_key_the_builder_writes() -> None:
+    """The pydantic models are the report's schema: their JSON Schema lists
+    exactly the keys ``backend_result`` and ``build_report`` write, so a key
+    added to one and not the other shows here."""
+    report = json.loads(json.dumps(_report()))
+    schema = Report.model_json_schema(by_alias=True)
+    assert set(schema["properties"]) == set(report)
+    ours, theirs = report["results"][VLLM], report["results"][HF]
+    assert set(VllmResult.model_json_schema()["properties"]) == set(ours)
+    hf_only = {"peak_memory"}  # the hf backend's extra section the schema knows
+    assert set(BackendResult.model_json_schema()["properties"]) == (
+        set(backend_result(HF, _records(), 1.0)) | hf_only
+    )
+    assert set(theirs) >= hf_only
+    ratio = schema["$defs"]["Ratio"]["properties"]
+    assert set(ratio) == set(report["ratio_vllm_hpu_mm_over_hf"])
 
 
 # --- plot ---------------------------------------------------------------------------

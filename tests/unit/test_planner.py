@@ -328,6 +328,27 @@ def test_evaluate_counts_padding_and_fallbacks() -> None:
     assert r["tokens_padding_pct"] == pytest.approx(100 * (1 - 33 / 52))
 
 
+def test_planner_counts_graphs_with_the_buckets_default_decode_form(
+    design_sample: list[StepSizes],
+) -> None:
+    """``plan_buckets_detailed`` and ``count_graphs`` default to the same decode
+    form (flat, Gaudi's), so a plan capped at G step graphs has at most G by the
+    count warmup and ``buckets show`` use."""
+    free = plan_buckets_detailed(design_sample, DESIGN, 16).buckets
+    cap = count_graphs(free, DESIGN) // 2
+    capped = plan_buckets_detailed(design_sample, DESIGN, 16, step_graph_budget=cap)
+    assert count_graphs(capped.buckets, DESIGN) <= cap
+    assert count_graphs(free, DESIGN) == count_graphs(free, DESIGN, "flat")
+    flat = plan_buckets_detailed(
+        design_sample, DESIGN, 16, step_graph_budget=cap, decode_form="flat"
+    )
+    assert capped.buckets == flat.buckets
+    batched = plan_buckets_detailed(
+        design_sample, DESIGN, 16, step_graph_budget=cap, decode_form="batched"
+    )
+    assert batched.buckets != flat.buckets  # the form matters on this sample
+
+
 # --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
@@ -362,6 +383,25 @@ def test_cli_plan_synthetic_round_trip(
     steps = simulate_steps(prompt_lengths(150, 7), DESIGN, 2048, 7)
     assert loaded == plan_buckets(steps, DESIGN, 18)
     assert loaded.num_graphs <= 18
+
+
+def test_cli_plan_step_graph_budget_per_decode_form(tmp_path: Path) -> None:
+    steps = simulate_steps(prompt_lengths(150, 7), DESIGN, 2048, 7)
+    for form in ("flat", "batched"):
+        out = tmp_path / f"{form}.yaml"
+        argv = ["buckets", "plan", "--synthetic", "150", *LIMIT_ARGS, "--seed", "7"]
+        argv += ["--graph-budget", "18", "--step-graph-budget", "60"]
+        argv += ["--decode-form", form, "--out", str(out)]
+        assert main(argv) == 0
+        lists = load_explicit_buckets(out)
+        got = explicit(DESIGN, lists.prefill_tokens, lists.decode_batch, lists.blocks)
+        assert (
+            got
+            == plan_buckets_detailed(
+                steps, DESIGN, 18, step_graph_budget=60, decode_form=form
+            ).buckets
+        )
+        assert count_graphs(got, DESIGN, form) <= 60
 
 
 def test_cli_plan_from_jsonl_and_prompt_lengths(tmp_path: Path) -> None:

@@ -3,6 +3,15 @@
 Device memory comes from ``vllm_hpu_mm.device``; this is the host side: the
 high-water mark of a process's resident set (``VmHWM``), which the CPU
 fallback's weights, KV cache and activations live in.
+
+Why ``VmHWM`` is read here rather than taken from a library: psutil reports a
+process's current RSS but no peak on Linux (its ``memory_info`` has no
+high-water mark there), and ``resource.getrusage``'s ``ru_maxrss`` gives this
+process's peak since it started, which ``reset_peak_rss`` cannot reset (the HF
+backend measures from after its reset, so an in-process engine that ran first
+is not counted), and its children's only once they have exited and been waited
+for, as the largest one, not the sum. The engine's processes are measured while
+they run. psutil lists them.
 """
 
 from __future__ import annotations

@@ -4,15 +4,18 @@ A backend turns its outputs into ``RequestRecord``s and measures the elapsed
 time of the whole batch; ``backend_result`` derives requests/s, tokens/s and
 latency percentiles from them; ``build_report`` puts the backends' results
 side by side (with the ratio vllm-hpu-mm / hf when both ran). ``check_report``
-is the schema: the keys and types every report has.
+checks a report against the schema, the pydantic models ``Report``,
+``BackendResult`` and ``VllmResult``: the keys and types every report has.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 SCHEMA = "vllm-hpu-mm/bench-throughput/v1"
 VLLM = "vllm-hpu-mm"
@@ -34,17 +37,13 @@ class RequestRecord:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between closest ranks, like
-    ``numpy.percentile``'s default."""
+    """The ``q``-th percentile (0..100) by ``numpy.percentile`` (linear between
+    closest ranks)."""
     if not values:
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} is outside 0..100")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q))
 
 
 def summarize(values: Sequence[float]) -> dict[str, float | None]:
@@ -52,10 +51,10 @@ def summarize(values: Sequence[float]) -> dict[str, float | None]:
     keys = ["mean", *(f"p{q}" for q in PERCENTILES), "max"]
     if not values:
         return dict.fromkeys(keys)
-    out: dict[str, float | None] = {"mean": sum(values) / len(values)}
-    for q in PERCENTILES:
-        out[f"p{q}"] = percentile(values, q)
-    out["max"] = max(values)
+    qs = np.percentile(values, PERCENTILES)
+    out: dict[str, float | None] = {"mean": float(np.mean(values))}
+    out.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, qs, strict=True)})
+    out["max"] = float(np.max(values))
     return out
 
 
@@ -129,103 +128,155 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 # --- schema -------------------------------------------------------------------------
+#
+# The report's layout as pydantic models (strict: an int where a float is expected
+# is accepted, a boolean or a string for a number is not; extra keys are allowed, so
+# a backend may add sections). ``Report.model_json_schema()`` is its JSON Schema.
 
-_NUM = (int, float)
-_OPT_NUM = (int, float, type(None))
-_SUMMARY = {k: _OPT_NUM for k in ("mean", "p50", "p90", "p99", "max")}
-_RESULT: dict[str, Any] = {
-    "backend": str,
-    "num_requests": int,
-    "elapsed_s": _NUM,
-    "requests_per_s": _NUM,
-    "tokens": {
-        k: int
-        for k in ("prompt_text", "prompt_image", "output", "total", "prompt_cached")
-    },
-    "tokens_per_s": {k: _NUM for k in ("total", "output", "text")},
-    "ttft_s": _SUMMARY,
-    "tpot_s": _SUMMARY,
-    "e2e_s": _SUMMARY,
-    "requests": list,
-    "peak_memory": {"device_bytes": int, "host_rss_bytes": int},
-}
-_VLLM_RESULT: dict[str, Any] = {
-    "startup_s": _NUM,
-    "warmup_s": _NUM,
-    "graphs_compiled": {"warmup": int, "after_warmup": int},
-    "padding": {
-        "scheduled_tokens": int,
-        "padded_tokens": int,
-        "waste_pct": _NUM,
-        "fallback_steps": int,
-        "by_bucket": dict,
-    },
-    "encoder": {
-        "runs": int,
-        "mm_items": int,  # images in the timed requests
-        "distinct_items": int,
-        "runs_per_item": _OPT_NUM,
-        "vision_patches": int,  # real patches through a bucketed vision tower
-        "vision_padding_patches": int,
-        "vision_padding_pct": _OPT_NUM,
-    },
-    "prefix_cache": {
-        "enabled": bool,
-        "queries": int,
-        "hits": int,
-        "hit_rate": _OPT_NUM,
-    },
-}
-_RATIO = {
-    k: _OPT_NUM for k in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s")
-}
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+
+class Summary(_Schema):
+    """``summarize``'s keys: None when there were no values."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+
+class Tokens(_Schema):
+    prompt_text: int
+    prompt_image: int
+    output: int
+    total: int
+    prompt_cached: int
+
+
+class TokensPerS(_Schema):
+    total: float
+    output: float
+    text: float
+
+
+class PeakMemory(_Schema):
+    device_bytes: int
+    host_rss_bytes: int
+
+
+class BackendResult(_Schema):
+    """What every backend reports."""
+
+    backend: str
+    num_requests: int
+    elapsed_s: float
+    requests_per_s: float
+    tokens: Tokens
+    tokens_per_s: TokensPerS
+    ttft_s: Summary
+    tpot_s: Summary
+    e2e_s: Summary
+    requests: list[Any]
+    peak_memory: PeakMemory
+
+
+class GraphsCompiled(_Schema):
+    warmup: int
+    after_warmup: int
+
+
+class Padding(_Schema):
+    scheduled_tokens: int
+    padded_tokens: int
+    waste_pct: float
+    fallback_steps: int
+    by_bucket: dict[str, Any]
+
+
+class Encoder(_Schema):
+    runs: int
+    mm_items: int  # images in the timed requests
+    distinct_items: int
+    runs_per_item: float | None
+    vision_patches: int  # real patches through a bucketed vision tower
+    vision_padding_patches: int
+    vision_padding_pct: float | None
+
+
+class PrefixCache(_Schema):
+    enabled: bool
+    queries: int
+    hits: int
+    hit_rate: float | None
+
+
+class VllmResult(BackendResult):
+    """The plugin's result: the engine's own figures besides every backend's."""
+
+    startup_s: float
+    warmup_s: float
+    graphs_compiled: GraphsCompiled
+    padding: Padding
+    encoder: Encoder
+    prefix_cache: PrefixCache
+
+
+class Ratio(_Schema):
+    requests_per_s: float | None
+    total_tokens_per_s: float | None
+    output_tokens_per_s: float | None
+
+
+class Report(_Schema):
+    """The whole report (``results`` is checked per backend by ``check_report``:
+    ``VllmResult`` for vllm-hpu-mm, ``BackendResult`` for the others)."""
+
+    schema_: str = Field(alias="schema")
+    config: dict[str, Any]
+    results: dict[str, dict[str, Any]]
+    ratio_vllm_hpu_mm_over_hf: Ratio | None = None
 
 
 def check_report(report: Mapping[str, Any]) -> list[str]:
-    """Problems with ``report``'s layout (missing keys, wrong types); [] when
-    it is well formed."""
-    problems: list[str] = []
-    _check(report, {"schema": str, "config": dict, "results": dict}, "", problems)
+    """Problems with ``report``'s layout (missing keys, wrong types), one line
+    each as ``where: what``; [] when it is well formed."""
+    if not isinstance(report, Mapping):
+        return ["report: not an object"]
+    problems = _problems(Report, report, "")
     if report.get("schema") != SCHEMA:
         problems.append(f"schema is {report.get('schema')!r}, expected {SCHEMA!r}")
-    results = report.get("results") or {}
+    results = report.get("results")
+    if not isinstance(results, Mapping):
+        return problems
     if not results:
         problems.append("results: no backend ran")
     for name, result in results.items():
-        spec = {**_RESULT, **_VLLM_RESULT} if name == VLLM else _RESULT
-        _check(result, spec, f"results.{name}.", problems)
-    if VLLM in results and HF in results:
-        _check(
-            report,
-            {"ratio_vllm_hpu_mm_over_hf": _RATIO},
-            "",
-            problems,
-        )
+        model = VllmResult if name == VLLM else BackendResult
+        problems += _problems(model, result, f"results.{name}.")
+    if VLLM in results and HF in results and "ratio_vllm_hpu_mm_over_hf" not in report:
+        problems.append("ratio_vllm_hpu_mm_over_hf: missing")
     return problems
 
 
-def _check(obj: Any, spec: Mapping[str, Any], where: str, problems: list[str]) -> None:
-    if not isinstance(obj, Mapping):
-        problems.append(f"{where or 'report'}: not an object")
-        return
-    for key, kind in spec.items():
-        if key not in obj:
-            problems.append(f"{where}{key}: missing")
-        elif isinstance(kind, dict):
-            _check(obj[key], kind, f"{where}{key}.", problems)
-        elif isinstance(obj[key], bool) and kind in (int, _NUM, _OPT_NUM):
-            problems.append(f"{where}{key}: a boolean, expected a number")
-        elif not isinstance(obj[key], kind):
-            problems.append(
-                f"{where}{key}: {type(obj[key]).__name__} {obj[key]!r} "
-                f"is not {_kind_name(kind)}"
-            )
+def _problems(model: type[BaseModel], obj: Any, where: str) -> list[str]:
+    try:
+        model.model_validate(obj)
+    except ValidationError as e:
+        return [_problem(err, where) for err in e.errors()]
+    return []
 
 
-def _kind_name(kind: Any) -> str:
-    if isinstance(kind, tuple):
-        return " or ".join(k.__name__ for k in kind)
-    return str(kind.__name__)
+def _problem(err: Any, where: str) -> str:
+    loc = where + ".".join(str(part) for part in err["loc"])
+    value = err["input"]
+    if err["type"] == "missing":
+        return f"{loc}: missing"
+    if isinstance(value, bool) and err["type"] in ("int_type", "float_type"):
+        return f"{loc}: a boolean, expected a number"
+    return f"{loc or 'report'}: {type(value).__name__} {value!r} ({err['msg']})"
 
 
 # --- text ---------------------------------------------------------------------------

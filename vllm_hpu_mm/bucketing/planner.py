@@ -222,7 +222,7 @@ def plan_buckets_detailed(
     block_budget: int = DEFAULT_BLOCK_BUDGET,
     batch_weight: float = 1.0,
     step_graph_budget: int | None = None,
-    decode_form: str = "batched",
+    decode_form: str = "flat",
 ) -> Plan:
     """``plan_buckets`` with the numbers behind its choice.
 
@@ -234,6 +234,10 @@ def plan_buckets_detailed(
     step_graph_budget: when given, most graphs warmup may compile
     (``count_graphs`` with ``decode_form``); block edges are dropped, least
     used first, until the set fits (raises if even the fewest blocks do not).
+    decode_form: the decode attention the graphs are counted for, with the
+    same default as ``buckets.step_shapes`` and ``count_graphs``: ``flat``,
+    Gaudi's, where attention is traced into the graphs and every step shape is
+    a graph; ``batched`` is the CPU and CUDA form (``worker.shapes.decode_form_for``).
     """
     if not samples:
         raise ValueError("plan_buckets needs at least one sampled step")

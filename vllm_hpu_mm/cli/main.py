@@ -126,8 +126,15 @@ def add_buckets_parser(subparsers: Any) -> None:
         default=None,
         metavar="G",
         help="most step-shape graphs warmup may compile (decode rows x blocks "
-        "+ prefill tokens x blocks + logits sizes, batched decode form); block "
-        "sizes the sample uses least are dropped to fit (default: no cap)",
+        "+ prefill tokens x blocks + logits sizes, counted for --decode-form); "
+        "block sizes the sample uses least are dropped to fit (default: no cap)",
+    )
+    plan.add_argument(
+        "--decode-form",
+        choices=("flat", "batched"),
+        default="flat",
+        help="decode attention that --step-graph-budget counts graphs for: flat "
+        "(Gaudi's, the default) or batched (the CPU and CUDA)",
     )
     plan.add_argument(
         "--block-budget",
@@ -341,6 +348,7 @@ def _plan(args: argparse.Namespace) -> int:
             block_budget=args.block_budget,
             batch_weight=args.batch_weight,
             step_graph_budget=args.step_graph_budget,
+            decode_form=args.decode_form,
         )
     except (OSError, ValueError) as exc:
         print(f"vllm-hpu-mm: {exc}", file=sys.stderr)

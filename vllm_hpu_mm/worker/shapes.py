@@ -57,8 +57,8 @@ def opaque_attention(plugin_config: Any, kind: str, enforce_eager: bool) -> bool
 
 def decode_form_for(kind: str) -> DecodeForm:
     """Flat paged decode on Gaudi (the official plugin's form); elsewhere the
-    batched block table, which measured faster on the CPU (see the README's
-    attention section) and uses the device's SDPA."""
+    batched block table, which measured faster on the CPU (docs/performance.md,
+    decode attention, 2026-12-01) and uses the device's SDPA."""
     return "flat" if kind == "hpu" else "batched"
 
 

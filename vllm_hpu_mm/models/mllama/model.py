@@ -174,7 +174,7 @@ class MllamaModel(nn.Module):
         self.language_model = MllamaTextModel(
             vllm_config, config.text_config, f"{prefix}.language_model"
         )
-        # Replicated on every rank, as the vision encoder (see README).
+        # Replicated on every rank, as the vision encoder (docs/architecture.md).
         self.multi_modal_projector = MllamaProjector(
             config.vision_config.vision_output_dim,
             config.text_config.hidden_size,

@@ -122,3 +122,29 @@ def test_graph_mode_matches_hf_and_compiles_nothing_across_routings(
         assert _greedy(graph_llm, prompts) == hf_greedy(moe_dir, prompts, MAX_NEW)
     after = read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"})
     assert after == before, f"compiled while serving: {before} -> {after}"
+
+
+@pytest.fixture(scope="module")
+def tp_llm(moe_dir: str) -> Iterator[Any]:
+    """TP=2 over gloo (vLLM's multiprocessing executor), eager: each rank holds
+    half of every expert's intermediate rows and the layer all-reduces."""
+    from vllm import LLM
+
+    yield from engine_lifetime(
+        LLM(
+            model=moe_dir,
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            enforce_eager=True,
+            seed=0,
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+        )
+    )
+
+
+def test_tensor_parallel_experts_match_hf(tp_llm: Any, moe_dir: str) -> None:
+    prompts = _prompts(3)
+    assert _greedy(tp_llm, prompts) == hf_greedy(moe_dir, prompts, MAX_NEW)

@@ -94,3 +94,25 @@ def test_one_compiled_graph_serves_every_routing() -> None:
             atol=1e-5,
         )
     assert counter.frame_count == 1
+
+
+def test_expert_tensors_in_either_layout_reach_vllm_in_the_published_one() -> None:
+    """Qwen3-VL-MoE: published checkpoints hold gate_up [E, H, 2I] and down
+    [E, I, H]; transformers 5's save_pretrained writes [E, 2I, H] and
+    [E, H, I]. vLLM loads the published layout, so the saved one is turned."""
+    from vllm_hpu_mm.models.expert_layout import published_expert_layout
+
+    hidden, inter, experts = 64, 24, 8
+    prefix = "model.language_model.layers.0.mlp.experts."
+    published = {
+        "gate_up_proj": torch.randn(experts, hidden, 2 * inter),
+        "down_proj": torch.randn(experts, inter, hidden),
+    }
+    for name, weight in published.items():
+        kept = published_expert_layout(prefix + name, weight, hidden, inter)
+        assert kept is weight
+        saved = weight.transpose(1, 2).contiguous()
+        turned = published_expert_layout(prefix + name, saved, hidden, inter)
+        assert torch.equal(turned, weight)
+    other = torch.randn(experts, 2 * inter, hidden)
+    assert published_expert_layout("x.mlp.gate.weight", other, hidden, inter) is other

@@ -6,6 +6,7 @@ from __future__ import annotations
 LLAVA_CLASS = "vllm_hpu_mm.models.llava:LlavaForConditionalGeneration"
 QWEN2_5_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen3VLForConditionalGeneration"
+QWEN3_VL_MOE_CLASS = "vllm_hpu_mm.models.qwen_vl:Qwen3VLMoeForConditionalGeneration"
 GEMMA3_CLASS = "vllm_hpu_mm.models.gemma3:Gemma3ForConditionalGeneration"
 
 
@@ -13,10 +14,9 @@ def register_all() -> None:
     """Called from the ``vllm.general_plugins`` entry point. Idempotent."""
     from vllm_hpu_mm.models.compat import (
         torchvision_works,
-        use_pil_pixtral_image_processor,
-        use_pil_qwen2_vl_image_processor,
         use_pil_gemma3_image_processor,
         use_pil_pixtral_image_processor,
+        use_pil_qwen2_vl_image_processor,
     )
 
     # vLLM's llava.py imports its Pixtral code, whose transformers image
@@ -42,5 +42,8 @@ def register_all() -> None:
             "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_CLASS
         )
         ModelRegistry.register_model("Qwen3VLForConditionalGeneration", QWEN3_VL_CLASS)
+        ModelRegistry.register_model(
+            "Qwen3VLMoeForConditionalGeneration", QWEN3_VL_MOE_CLASS
+        )
     # vLLM's Gemma 3, also loading the tower layout transformers 5 writes.
     ModelRegistry.register_model("Gemma3ForConditionalGeneration", GEMMA3_CLASS)

@@ -135,6 +135,8 @@ def use_pil_qwen2_vl_image_processor() -> None:
     )
     alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
     sys.modules[TORCHVISION_QWEN2_VL_MODULE] = alias
+
+
 def use_pil_gemma3_image_processor() -> None:
     """Make ``import vllm.model_executor.models.gemma3_mm`` work without torchvision.
 

@@ -65,6 +65,7 @@ class Qwen3VLImageProcessor(Qwen3VLProcessor):
 IMAGES_ONLY: dict[str, type[ProcessorMixin]] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLImageProcessor,
     "Qwen3VLForConditionalGeneration": Qwen3VLImageProcessor,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLImageProcessor,
 }
 # The text one image stands for in a Qwen prompt (the processor expands the pad
 # to the image's merged-patch count; vLLM's prompt update does the same).

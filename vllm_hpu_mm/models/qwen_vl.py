@@ -25,11 +25,14 @@ When it can go: once torchvision is part of the environment.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from vllm.model_executor.models import qwen2_5_vl, qwen3_vl
+import torch
+from vllm.model_executor.models import qwen2_5_vl, qwen3_vl, qwen3_vl_moe
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from vllm_hpu_mm.models.expert_layout import published_expert_layout
 from vllm_hpu_mm.models.qwen_processor import (
     Qwen2_5_VLImageProcessor,
     Qwen3VLImageProcessor,
@@ -80,3 +83,39 @@ class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
 )
 class Qwen3VLForConditionalGeneration(qwen3_vl.Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL with the images-only processor."""
+
+
+class Qwen3VLMoeImagesOnlyProcessingInfo(
+    Qwen3VLImagesOnlyProcessingInfo, qwen3_vl_moe.Qwen3VLMoeProcessingInfo
+):
+    """Qwen3-VL's images-only info over the MoE model's config class."""
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    qwen3_vl.Qwen3VLMultiModalProcessor,
+    info=Qwen3VLMoeImagesOnlyProcessingInfo,
+    dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder,
+)
+class Qwen3VLMoeForConditionalGeneration(
+    qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration
+):
+    """vLLM's Qwen3-VL-MoE with the images-only processor (its experts on
+    ``vllm_hpu_mm.moe``)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        # vLLM's Qwen3-MoE layers read ``norm_topk_prob``, which transformers
+        # 5's Qwen3-VL-MoE text config does not define: its router always
+        # renormalises the top-k weights (modeling_qwen3_vl_moe.py), so a
+        # checkpoint without the key means True.
+        text = vllm_config.model_config.hf_config.text_config
+        if not hasattr(text, "norm_topk_prob"):
+            text.norm_topk_prob = True
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._expert_dims = (int(text.hidden_size), int(text.moe_intermediate_size))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        hidden, inter = self._expert_dims
+        return super().load_weights(
+            (name, published_expert_layout(name, w, hidden, inter))
+            for name, w in weights
+        )

@@ -541,6 +541,37 @@ def _qwen3_vl_config(tok: Any) -> Any:
     )
 
 
+def _qwen3_vl_moe_config(tok: Any) -> Any:
+    """Qwen3-VL's tiny tower and text model with mixture-of-experts MLPs: 8
+    experts, top-2 (Qwen3-VL-MoE renormalises the top-k weights), the second
+    layer dense. The experts' width (24; gate and up 48) differs from the
+    hidden size (64), so the saved and the published expert layouts differ in
+    shape (``models.qwen_vl.published_expert_layout``)."""
+    from transformers import Qwen3VLMoeConfig
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+        Qwen3VLMoeTextConfig,
+        Qwen3VLMoeVisionConfig,
+    )
+
+    dense = _qwen3_vl_config(tok)
+    vision = Qwen3VLMoeVisionConfig(**dense.vision_config.to_dict())
+    text = dense.text_config.to_dict()
+    text.pop("intermediate_size", None)
+    text.update(
+        intermediate_size=128, moe_intermediate_size=24, num_experts=8,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+    )  # fmt: skip
+    config = dense.to_dict()
+    for key in ("text_config", "vision_config", "architectures", "model_type"):
+        config.pop(key, None)
+    return Qwen3VLMoeConfig(
+        text_config=Qwen3VLMoeTextConfig(**text),
+        vision_config=vision,
+        architectures=["Qwen3VLMoeForConditionalGeneration"],
+        **config,
+    )
+
+
 def _qwen3_vl_processor(tok: Any) -> Any:
     """As ``_qwen2_5_vl_processor``, saved as a ``Qwen3VLProcessor`` checkpoint."""
     from vllm_hpu_mm.models.qwen_processor import Qwen3VLImageProcessor
@@ -632,6 +663,20 @@ SPECS: tuple[TinyModelSpec, ...] = (
         seed=500,
         model_class="Qwen3VLForConditionalGeneration",
         config=_qwen3_vl_config,
+        added_tokens=(
+            QWEN_VISION_START,
+            QWEN_VISION_END,
+            QWEN_IMAGE_PAD,
+            QWEN_VIDEO_PAD,
+        ),
+        chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
+        processor=_qwen3_vl_processor,
+    ),
+    TinyModelSpec(
+        name="tiny-qwen3-vl-moe",
+        seed=510,
+        model_class="Qwen3VLMoeForConditionalGeneration",
+        config=_qwen3_vl_moe_config,
         added_tokens=(
             QWEN_VISION_START,
             QWEN_VISION_END,

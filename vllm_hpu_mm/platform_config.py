@@ -34,10 +34,10 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _set_block_size(vllm_config, device_type)  # 4. KV block size
     _set_scheduling(vllm_config)  # 5. synchronous scheduling (no overlap)
     _set_compilation(vllm_config)  # 6. our runner owns graphs and warmup
-    _set_shutdown_drain(vllm_config)  # 7. SIGTERM drains in-flight requests
-    _set_cross_attention_limits(vllm_config)  # 8. Mllama: images per prompt
-    _size_cross_attention_cache(plugin_config, vllm_config)  # 9. Mllama: its slots
-    _install_request_checks(plugin_config, vllm_config)  # 9b. 400s in the API server
+    _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
+    _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
+    _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt
+    _size_cross_attention_cache(plugin_config, vllm_config)  # 9b. Mllama: its slots
     _check_lazy_mode(plugin_config, vllm_config, device_type)  # 10. HPU lazy mode
     _set_worker_start_method(device_type)  # 11. HPU workers are spawned
     _enable_fused_ops(vllm_config, device_type)  # 12. Gaudi's fused norm, RoPE

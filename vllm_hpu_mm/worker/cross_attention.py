@@ -6,7 +6,10 @@ bucket in graph mode) and each cross-attention layer's K/V of the image is store
 in a slot of the cross-attention cache. Images are keyed by vLLM's item hash: a
 second request with the same image (or a resumed one) reuses the slot, and
 unreferenced slots stay filled until they are needed (least recently used first),
-so a repeated image is not encoded again.
+so a repeated image is not encoded again. The cache has as many slots as
+``hpu_mm.memory.cross_attention_cache_gib`` holds (``models.mllama.
+cache_budget``); vLLM's scheduler admits a request only when its images fit
+(``models.mllama.scheduling``), so a new image always finds a free or idle slot.
 
 Nothing is copied between the vision layers and the cache: eagerly the encoder
 writes into one preallocated ``encoder_states`` buffer sized for the largest

@@ -200,7 +200,10 @@ def test_encoder_cache_manager_admits_by_image_hash_and_frees() -> None:
 # ---- the platform's start-up step ----------------------------------------------------
 
 
-def test_platform_wires_the_slots_to_scheduler_worker_and_request_limit() -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_platform_wires_the_slots_to_scheduler_worker_and_request_limit(
+    async_scheduling: bool,
+) -> None:
     """The slot count travels in vLLM's ``ec_manager_config`` to the scheduler's
     manager and the worker; a per-prompt image limit above it is lowered to it,
     so vLLM's own check refuses such a request with a 400 before processing."""
@@ -215,7 +218,7 @@ def test_platform_wires_the_slots_to_scheduler_worker_and_request_limit() -> Non
         count=4
     )
     vc.scheduler_config.scheduler_cls = None
-    vc.scheduler_config.async_scheduling = True
+    vc.scheduler_config.async_scheduling = async_scheduling
     vc.ec_manager_config = EncoderCacheManagerConfig()
     slot = CrossCacheGeometry.from_hf_config(ELEVEN_B, 2).slot_bytes
     plugin = HpuMMConfig.model_validate(
@@ -226,7 +229,13 @@ def test_platform_wires_the_slots_to_scheduler_worker_and_request_limit() -> Non
     assert vc.ec_manager_config.encoder_cache_manager_cls.endswith(
         "CrossSlotEncoderCacheManager"
     )
-    assert vc.scheduler_config.scheduler_cls.endswith(".AsyncCrossSlotScheduler")
+    want = "AsyncCrossSlotScheduler" if async_scheduling else "CrossSlotScheduler"
+    assert vc.scheduler_config.scheduler_cls.rsplit(".", 1)[-1] == want
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cls = resolve_obj_by_qualname(vc.scheduler_config.scheduler_cls)
+    base = "AsyncScheduler" if async_scheduling else "Scheduler"
+    assert base in [c.__name__ for c in cls.__mro__]
     assert vc.model_config.multimodal_config.limit_per_prompt["image"].count == 3
     _size_cross_attention_cache(plugin, vc)  # again, as another process does
     assert configured_slots(vc) == 3

@@ -360,6 +360,14 @@ class MemoryConfig(_Section):
     most this share of the paged KV cache's bytes, on top of them; `0` turns it off.
     Not used on Gaudi or CUDA (the KV cache fills the device memory left there) or with
     traced attention."""
+    cross_attention_cache_gib: float = Field(default=4.0, ge=0.0, allow_inf_nan=False)
+    """Mllama: device memory (GiB, per tensor-parallel rank) of the cross-attention
+    cache, which keeps each image's cross-attention keys and values (about 211 MB an
+    image at Llama-3.2-11B-Vision shapes in bfloat16). It holds as many images as fit,
+    at least one and at most `max_num_seqs` x images per prompt; idle images are evicted
+    least recently used first, the scheduler admits a request only when its images fit
+    beside those of the running requests, and a request with more distinct images than
+    the cache holds is refused with a 400. Counted before the KV cache is sized."""
     cpu_prepacked_linear: bool = True
     """The CPU with bfloat16 oneDNN (AVX-512 BF16 or AMX): each bfloat16 linear weight
     is also kept reordered for oneDNN, and calls of at most 64 rows (decode steps) use

@@ -37,6 +37,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _install_request_checks(plugin_config, vllm_config)  # 7. 400s in the API server
     _set_shutdown_drain(vllm_config)  # 8. SIGTERM drains in-flight requests
     _set_cross_attention_limits(vllm_config)  # 9. Mllama: images per prompt
+    _size_cross_attention_cache(plugin_config, vllm_config)  # 9b. Mllama: its slots
     _check_lazy_mode(plugin_config, vllm_config, device_type)  # 10. HPU lazy mode
     _set_worker_start_method(device_type)  # 11. HPU workers are spawned
     _enable_fused_ops(vllm_config, device_type)  # 12. Gaudi's fused norm, RoPE
@@ -234,6 +235,99 @@ def _set_cross_attention_limits(vllm_config: VllmConfig) -> None:
             "to change)",
             MLLAMA_DEFAULT_IMAGES_PER_PROMPT,
         )
+
+
+def _size_cross_attention_cache(plugin_config: Any, vllm_config: VllmConfig) -> None:
+    """Mllama's cross-attention cache holds what ``hpu_mm.memory.
+    cross_attention_cache_gib`` allows (``models.mllama.cache_budget``), and
+    vLLM's scheduler admits a request only when its images fit in it
+    (``models.mllama.scheduling``): the slot count travels to the scheduler
+    and the workers in vLLM's ``ec_manager_config.manager_config``."""
+    from vllm_hpu_mm.models.mllama.cache_budget import SLOTS_KEY
+
+    plan = cross_cache_plan(plugin_config, vllm_config)
+    if plan is None:
+        return
+    ec = vllm_config.ec_manager_config
+    ours = "vllm_hpu_mm.models.mllama.scheduling.CrossSlotEncoderCacheManager"
+    if ec.encoder_cache_manager_cls not in (None, ours):
+        raise UnsupportedConfigError(
+            f"Mllama with --ec-manager-config encoder_cache_manager_cls="
+            f"{ec.encoder_cache_manager_cls}: the plugin's own manager "
+            f"({ours}) keeps the cross-attention cache's slots"
+        )
+    ec.encoder_cache_manager_cls = ours
+    ec.manager_config = {**ec.manager_config, SLOTS_KEY: plan.slots}
+    sc = vllm_config.scheduler_config
+    module = "vllm_hpu_mm.models.mllama.scheduling."
+    if sc.scheduler_cls is None:
+        sc.scheduler_cls = module + (
+            "AsyncCrossSlotScheduler" if sc.async_scheduling else "CrossSlotScheduler"
+        )
+    elif not str(sc.scheduler_cls).startswith(module):
+        logger.warning(
+            "Mllama with scheduler_cls=%s: requests are admitted without checking "
+            "that their images fit the cross-attention cache's %d slots",
+            sc.scheduler_cls,
+            plan.slots,
+        )
+    logger.info("Mllama cross-attention cache: %s", plan.describe())
+    _limit_images_to_slots(vllm_config, plan.slots)
+
+
+def _limit_images_to_slots(vllm_config: VllmConfig, slots: int) -> None:
+    """A request needs all its images in the cache at once: one with more
+    images than slots would wait forever. vLLM's own per-prompt limit refuses
+    it with a 400 before its images are processed (a refusal after processing,
+    in ``validate_request``, would leave vLLM's multimodal processor cache
+    believing the engine holds them)."""
+    import dataclasses
+
+    from vllm.config.multimodal import BaseDummyOptions
+
+    mm = vllm_config.model_config.multimodal_config
+    opts = mm.limit_per_prompt.get("image") if mm is not None else None
+    if mm is None or not isinstance(opts, BaseDummyOptions) or opts.count <= slots:
+        return
+    count = opts.count
+    mm.limit_per_prompt["image"] = dataclasses.replace(opts, count=slots)
+    logger.warning(
+        "Mllama: at most %d images per prompt (--limit-mm-per-prompt gave %d): the "
+        "cross-attention cache holds %d images in all "
+        "(hpu_mm.memory.cross_attention_cache_gib), and a request needs every one "
+        "of its images there at once",
+        slots,
+        count,
+        slots,
+    )
+
+
+def cross_cache_plan(plugin_config: Any, vllm_config: Any) -> Any:
+    """The cross-attention cache's ``CrossCachePlan`` of an Mllama config
+    (None for other models): per tensor-parallel rank, in the model's dtype."""
+    from vllm_hpu_mm.models.mllama.cache_budget import (
+        GIB,
+        CrossCacheGeometry,
+        plan_cross_cache,
+    )
+
+    mc = vllm_config.model_config
+    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
+    if "MllamaForConditionalGeneration" not in archs:
+        return None
+    limits = getattr(mc.multimodal_config, "limit_per_prompt", None) or {}
+    per_prompt = limits.get("image", MLLAMA_DEFAULT_IMAGES_PER_PROMPT)
+    geometry = CrossCacheGeometry.from_hf_config(
+        mc.hf_config,
+        dtype_bytes=mc.dtype.itemsize,
+        tensor_parallel=vllm_config.parallel_config.tensor_parallel_size,
+    )
+    return plan_cross_cache(
+        geometry,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        images_per_prompt=int(getattr(per_prompt, "count", per_prompt)),
+        budget_bytes=int(plugin_config.memory.cross_attention_cache_gib * GIB),
+    )
 
 
 # ---- Gaudi process model (HPU only) ------------------------------------------------

@@ -6,7 +6,10 @@ bucket in graph mode) and each cross-attention layer's K/V of the image is store
 in a slot of the cross-attention cache. Images are keyed by vLLM's item hash: a
 second request with the same image (or a resumed one) reuses the slot, and
 unreferenced slots stay filled until they are needed (least recently used first),
-so a repeated image is not encoded again.
+so a repeated image is not encoded again. The cache has as many slots as
+``hpu_mm.memory.cross_attention_cache_gib`` holds (``models.mllama.
+cache_budget``); vLLM's scheduler admits a request only when its images fit
+(``models.mllama.scheduling``), so a new image always finds a free or idle slot.
 
 Nothing is copied between the vision layers and the cache: eagerly the encoder
 writes into one preallocated ``encoder_states`` buffer sized for the largest
@@ -40,6 +43,7 @@ from vllm_hpu_mm import device as device_mod
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
+from vllm_hpu_mm.models.mllama.cache_budget import SLOTS_KEY, CrossCacheGeometry
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.inputs import StepBatch
 from vllm_hpu_mm.worker.requests import RequestState
@@ -75,8 +79,9 @@ class ImageSlots:
         if not self.free:
             if not self.idle:
                 raise RuntimeError(
-                    "cross-attention cache full: every slot holds an image of a "
-                    "running request"
+                    f"cross-attention cache full: each of its {len(self.slot)} "
+                    "slots holds an image of a running request (the scheduler's "
+                    "SlotLedger admits only requests whose images fit)"
                 )
             old, _ = self.idle.popitem(last=False)
             self.free.append(self.slot.pop(old))
@@ -185,6 +190,37 @@ def _bucket_inputs(
     }
 
 
+def configured_slots(vllm_config: Any) -> int:
+    """The cache's image slots, as the platform sized them for the scheduler
+    (``platform_config._size_cross_attention_cache``): both must agree."""
+    ec = getattr(vllm_config, "ec_manager_config", None)
+    slots = (getattr(ec, "manager_config", None) or {}).get(SLOTS_KEY)
+    if slots is None:
+        raise RuntimeError(
+            "Mllama's cross-attention cache has no size: the platform's "
+            f"check_and_update_config sets ec_manager_config.manager_config"
+            f"[{SLOTS_KEY!r}] (got {ec!r})"
+        )
+    return int(slots)
+
+
+def _check_slot_bytes(vllm_config: Any, allocated: int) -> None:
+    """Warn when a slot's bytes differ from the sizing function's (the budget
+    would then be counted wrong)."""
+    mc = vllm_config.model_config
+    sized = CrossCacheGeometry.from_hf_config(
+        mc.hf_config,
+        mc.dtype.itemsize,
+        vllm_config.parallel_config.tensor_parallel_size,
+    ).slot_bytes
+    if sized != allocated:
+        logger.warning(
+            "Cross-attention cache: a slot takes %d bytes, the budget counted %d",
+            allocated,
+            sized,
+        )
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -205,8 +241,8 @@ class CrossAttentionInputs:
         self.patches = vision.num_patches  # real rows of a tile
         self.rows = vision.tiles * vision.padded  # cache rows of an image
         self.max_images = max_images_per_prompt
-        max_seqs = vllm_config.scheduler_config.max_num_seqs
-        capacity = max_seqs * max_images_per_prompt
+        capacity = configured_slots(vllm_config)
+        self.capacity = capacity
         self.slots = ImageSlots(capacity)
         dtype = vllm_config.model_config.dtype
         for layer in model.cross_attention_layers():
@@ -241,13 +277,12 @@ class CrossAttentionInputs:
         self.counts_metrics = metrics.counts_items_here()
         self.images: dict[str, list[RequestImage]] = {}  # request -> its images
         self.num_tiles: dict[str, int] = {}  # image key -> its real tiles
-        cache_mib = (
-            sum(
-                layer.cache.numel() * layer.cache.element_size()
-                for layer in model.cross_attention_layers()
-            )
-            / 2**20
+        cache_bytes = sum(
+            layer.cache.numel() * layer.cache.element_size()
+            for layer in model.cross_attention_layers()
         )
+        _check_slot_bytes(vllm_config, cache_bytes // (capacity + 1))
+        cache_mib = cache_bytes / 2**20
         logger.info(
             "Cross-attention cache: %d image slots x %d rows, %.1f MiB; "
             "encoder_states %s",

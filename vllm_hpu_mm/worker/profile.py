@@ -13,7 +13,9 @@
    keys) are the largest a step makes. Their KV is written into a scratch KV
    cache of just the blocks they need (block 0 stays the null block), bound to
    the attention layers for the profile and dropped after it. Mllama's token
-   rows also read the cross-attention cache: every image slot a step can hold;
+   rows also read the cross-attention cache: each request of the step reads
+   the most images a request may carry, as serving lays them out (the cost
+   follows the step, not the number of cache slots);
 3. the logits head at the largest batch.
 
 What is measured is the peak above what was allocated when the step began,
@@ -317,27 +319,54 @@ def _encode_cross_images(cross: CrossAttentionInputs, items: int) -> None:
     )
 
 
-def _cross_metadata(cross: CrossAttentionInputs, num_tokens: int) -> Any:
-    """Every prefill row reads every tile of every slot a step can hold."""
+def _cross_metadata(cross: CrossAttentionInputs, query_lens: np.ndarray) -> Any:
+    """Every prefill request of the step reads the most images a request
+    carries, every tile, laid out as serving lays it out: one request at a
+    time off Gaudi, the flat ``[T, requests x images]`` columns on Gaudi. The
+    cost follows the step's requests, not the cache's slots (a step's
+    requests read only their own images)."""
     from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
+    from vllm_hpu_mm.worker.cross_attention import cross_request
 
-    capacity = len(cross.slots.free) + len(cross.slots)
-    cols = 1 << max(capacity - 1, 0).bit_length()  # padded as in serving
-    slots = torch.zeros(cols, dtype=torch.int64, device=cross.device)
-    slots[:capacity] = torch.arange(1, capacity + 1, device=cross.device)
-    m, tiles = cross.max_images, cross.tiles
-    ones = torch.ones(num_tokens, 1, dtype=torch.float32, device=cross.device)
+    m, tiles, device = cross.max_images, cross.tiles, cross.device
+    images = [1 + i % cross.capacity for i in range(m)]  # slots 1.., written above
+    t = int(query_lens.sum())
+    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
+    requests = None
+    cols = 0 if cross.per_request else _next_pow2(len(query_lens) * m)
+    pre_slots = torch.zeros(cols, dtype=torch.int64, device=device)
+    pre_mask = torch.zeros(t, cols, tiles, dtype=torch.bool, device=device)
+    if cross.per_request:
+        requests = [
+            cross_request(
+                int(start),
+                images,
+                np.ones((int(q), m, tiles), bool),
+                cross.rows,
+                cross.patches,
+                device,
+            )
+            for start, q in zip(starts, query_lens, strict=True)
+        ]
+    else:
+        for r, (start, q) in enumerate(zip(starts, query_lens, strict=True)):
+            pre_slots[r * m : (r + 1) * m] = torch.tensor(images, device=device)
+            pre_mask[start : start + q, r * m : (r + 1) * m] = True
+    ones = torch.ones(t, 1, dtype=torch.float32, device=device)
     return CrossAttentionMetadata(
-        dec_slots=torch.zeros(0, m, dtype=torch.int64, device=cross.device),
-        dec_tile_mask=torch.zeros(0, m, tiles, dtype=torch.bool, device=cross.device),
-        pre_slots=slots,
-        pre_tile_mask=torch.ones(
-            num_tokens, cols, tiles, dtype=torch.bool, device=cross.device
-        ),
+        dec_slots=torch.zeros(0, m, dtype=torch.int64, device=device),
+        dec_tile_mask=torch.zeros(0, m, tiles, dtype=torch.bool, device=device),
+        pre_slots=pre_slots,
+        pre_tile_mask=pre_mask,
         active=ones,
         mlp_scale=ones.clone(),
         patches=cross.patches,
+        pre_requests=requests,
     )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _run_step(runner: HpuMMModelRunner, shape: ProfileShape, md: Any) -> None:
@@ -351,7 +380,8 @@ def _run_step(runner: HpuMMModelRunner, shape: ProfileShape, md: Any) -> None:
         runner.mm.attach_maps(md, [])
         embeds = runner.mm.merge(ids, md.mm_maps, eager=True)
     if runner.cross is not None:
-        md.cross = _cross_metadata(runner.cross, t)
+        q = _query_lens(shape.num_tokens, shape.context_len)
+        md.cross = _cross_metadata(runner.cross, q)
     with set_forward_context(md, runner.vllm_config, num_tokens=t):
         if embeds is None:
             hidden = model(input_ids=ids, positions=positions)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +65,38 @@ def _accelerator_noop() -> None:
     torch.accelerator.empty_host_cache = _noop  # type: ignore[assignment]
 
 
+def _request_mm_hashes(prompt: object) -> list[str]:
+    """The multimodal item hashes of a rendered request (``mm_hashes``: per
+    modality, a list of strings), empty for anything else."""
+    hashes = prompt.get("mm_hashes") if isinstance(prompt, dict) else None
+    if not isinstance(hashes, dict):
+        return []
+    return [h for per in hashes.values() for h in per or () if isinstance(h, str)]
+
+
+def _forget_refused_items() -> None:
+    """Wrap ``InputProcessor.process_inputs``: when it refuses a request whose
+    images the renderer already processed, queue their hashes for removal from
+    the renderer's front-end cache (the renderer's own call for cache drift)."""
+    import functools
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+
+    @functools.wraps(original)
+    def process_inputs(self: Any, request_id: str, prompt: Any, *args: Any, **kw: Any):  # type: ignore[no-untyped-def]
+        try:
+            return original(self, request_id, prompt, *args, **kw)
+        except Exception:
+            hashes = _request_mm_hashes(prompt)
+            if hashes:
+                self.renderer.queue_mm_cache_invalidations(hashes)
+            raise
+
+    InputProcessor.process_inputs = process_inputs  # type: ignore[method-assign]
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="torch.accelerator no-ops on the CPU fallback",
@@ -80,13 +113,38 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
+# The serving path's patches: applied by ``serving.install`` (from the
+# platform's check_and_update_config, in the process that takes requests), not
+# while vLLM resolves the platform (vLLM's engine modules would be imported
+# half-way through vllm.distributed's own import).
+SERVING_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="a refused request's images leave vLLM's front-end cache",
+        why=(
+            "the renderer marks a request's processed images as held by the "
+            "engine before InputProcessor.process_inputs validates the request "
+            "(the platform's validate_request, vLLM's prompt-length checks); a "
+            "refused request never reaches the engine, so the next request with "
+            "the same image was sent without its data and failed with a 500 "
+            "(multimodal cache miss)"
+        ),
+        until="vLLM rolls its sender cache back when process_inputs raises",
+        applies=lambda: True,
+        apply=_forget_refused_items,
+    ),
+)
+
 _applied: set[str] = set()
 
 
-def apply_patches() -> None:
-    for patch in PATCHES:
+def apply_patches(patches: tuple[Patch, ...] = PATCHES) -> None:
+    for patch in patches:
         if patch.name in _applied or not patch.applies():
             continue
         patch.apply()
         _applied.add(patch.name)
         logger.info("vllm-hpu-mm patch applied: %s (%s)", patch.name, patch.why)
+
+
+def apply_serving_patches() -> None:
+    apply_patches(SERVING_PATCHES)

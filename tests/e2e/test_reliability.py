@@ -257,6 +257,23 @@ def test_image_token_ids_without_image_in_completions_is_400(server: Server) -> 
     _still_serving(server)
 
 
+def test_an_image_of_a_rejected_request_serves_the_next_one(server: Server) -> None:
+    """A request refused after vLLM processed its image (the stray image token
+    check runs on the processed prompt) leaves nothing behind: vLLM's front-end
+    cache of processed images must not believe the engine holds this image, or
+    the next request that sends it gets a 500 (a multimodal cache miss)."""
+    url = _png_url(31)  # an image no other test sends
+    body = {
+        "model": server.model,
+        "max_tokens": 2,
+        "messages": _messages([url], "<image><image> " + QUESTION),
+    }
+    refused = server.post("/v1/chat/completions", body)
+    assert refused.status_code == 400, refused.text
+    response = _chat(server, [url], max_tokens=2)
+    assert response.status_code == 200, response.text
+
+
 # ---- unusual but valid images --------------------------------------------------------
 
 

@@ -6,7 +6,9 @@
 1. registers vLLM media connector ``"hpu_mm"`` (``media.py``) with the pixel
    limit ``hpu_mm.mm_max_image_pixels`` and makes it vLLM's choice unless the
    operator set ``VLLM_MEDIA_CONNECTOR`` to another;
-2. records the model facts the per-request checks need (``RequestLimits``).
+2. records the model facts the per-request checks need (``RequestLimits``);
+3. applies the serving path's patches (``patches.SERVING_PATCHES``: a refused
+   request's images leave vLLM's front-end cache).
 
 ``check_request`` is called by the platform's ``validate_request``.
 """
@@ -45,6 +47,9 @@ def install(plugin_config: Any, vllm_config: Any) -> None:
     model_config = getattr(vllm_config, "model_config", None)
     hf_config = getattr(model_config, "hf_config", None)
     _limits = RequestLimits.from_hf_config(hf_config)
+    from vllm_hpu_mm.patches import apply_serving_patches
+
+    apply_serving_patches()
 
 
 def check_request(processed_inputs: Any) -> None:

@@ -66,14 +66,6 @@ def test_stray_positions_and_text_models() -> None:
     assert stray_image_tokens([IMG], {}, frozenset()) == []
 
 
-def test_limits_from_hf_config() -> None:
-    llava = SimpleNamespace(image_token_index=32000)
-    idefics = SimpleNamespace(image_token_id=49190)
-    assert RequestLimits.from_hf_config(llava).image_token_ids == {32000}
-    assert RequestLimits.from_hf_config(idefics).image_token_ids == {49190}
-    assert RequestLimits.from_hf_config(None).image_token_ids == frozenset()
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [

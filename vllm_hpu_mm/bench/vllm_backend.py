@@ -27,6 +27,7 @@ from vllm_hpu_mm.bench.datasets import BenchRequest
 from vllm_hpu_mm.bench.memory import children_peak_rss_bytes, peak_rss_bytes
 from vllm_hpu_mm.bench.stats import VLLM, RequestRecord, backend_result
 from vllm_hpu_mm.metrics_reader import read_metric, read_samples
+from vllm_hpu_mm.multimodal.token_ids import image_token_id
 
 logger = logging.getLogger("vllm.hpu_mm.bench")
 
@@ -71,16 +72,6 @@ def _vllm_counters(llm: Any) -> dict[str, float]:
         if isinstance(metric, Counter):
             out[metric.name] = out.get(metric.name, 0.0) + metric.value
     return out
-
-
-def image_token_id(hf_config: Any) -> int | None:
-    """The id of the image placeholder token of a VLM config (None: text model)."""
-    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
-        for key in ("image_token_index", "image_token_id"):
-            value = getattr(cfg, key, None)
-            if isinstance(value, int):
-                return value
-    return None
 
 
 def _engine_input(req: BenchRequest) -> Any:

@@ -66,7 +66,7 @@ MODEL_BUILD_VERSION = 1
 MODEL_SEED = 0
 # The benchmark model: a random Llama, big enough that the step is not all
 # Python overhead, small enough for a 2-core machine. vocab_size comes from the
-# project's tokenizer (vllm_hpu_mm.tools.build_tiny_models.build_tokenizer).
+# project's tokenizer (tools.build_tiny_models.build_tokenizer).
 BENCH_MODEL_CONFIG: dict[str, Any] = {
     "hidden_size": 768,
     "num_hidden_layers": 12,
@@ -684,7 +684,7 @@ def build_bench_model(model_dir: Path = MODEL_DIR, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-    from vllm_hpu_mm.tools import tokenizer as tiny
+    from tools import tokenizer as tiny
 
     print(f"Building the benchmark model at {model_dir} ...", flush=True)
     tok = tiny.build_tokenizer()

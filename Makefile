@@ -17,7 +17,7 @@ venv:
 	@bash scripts/bootstrap.sh
 
 models: venv
-	@$(PY) -m vllm_hpu_mm.tools.build_tiny_models --out models
+	@$(PY) -m tools.build_tiny_models --out models
 
 REAL_MODEL := models/smollm2-135m-instruct
 
@@ -31,13 +31,13 @@ else
 endif
 
 lint: venv
-	$(VENV)/bin/ruff check vllm_hpu_mm hpu_kernels tests benchmarks scripts
-	$(VENV)/bin/ruff format --check vllm_hpu_mm hpu_kernels tests benchmarks scripts
+	$(VENV)/bin/ruff check vllm_hpu_mm hpu_kernels tests benchmarks scripts tools
+	$(VENV)/bin/ruff format --check vllm_hpu_mm hpu_kernels tests benchmarks scripts tools
 	$(VENV)/bin/mypy
 
 format: venv
-	$(VENV)/bin/ruff check --fix vllm_hpu_mm hpu_kernels tests benchmarks scripts
-	$(VENV)/bin/ruff format vllm_hpu_mm hpu_kernels tests benchmarks scripts
+	$(VENV)/bin/ruff check --fix vllm_hpu_mm hpu_kernels tests benchmarks scripts tools
+	$(VENV)/bin/ruff format vllm_hpu_mm hpu_kernels tests benchmarks scripts tools
 
 test-unit: venv
 	$(VENV)/bin/pytest -q tests/unit

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if not os.path.isdir(args.model) and args.model == "models/tiny-llava":
-        from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+        from tools.build_tiny_models import build_tiny_model
 
         build_tiny_model("models", "tiny-llava")
     rows = []

@@ -12,7 +12,7 @@ After the answer it prints four checks, each with where its evidence comes from:
 4. encoder runs for the image: the rise of ``vllm_hpu_mm:encoder_runs_total``
    over the request, which must be 1 (0 for a text-only model).
 
-A model built by ``vllm_hpu_mm.tools`` (it carries ``tiny_model_build.json``) has
+A model built by ``tools.build_tiny_models`` (it carries ``tiny_model_build.json``) has
 random weights: its answer is noise by design, and the demo says so; it generates
 exactly MAX_TOKENS tokens (``ignore_eos``), as HF is asked to. A trained model
 (the default demo's SmolLM2) answers ``--question`` and stops at its end of turn:
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_TOKENS = 32
-STAMP_FILE = "tiny_model_build.json"  # written by vllm_hpu_mm.tools' builders
+STAMP_FILE = "tiny_model_build.json"  # written by tools/build_tiny_models.py
 SERVING_COMPILES = 'vllm_hpu_mm:graph_compiles_total{phase="serving"}'
 WARMUP_COMPILES = 'vllm_hpu_mm:graph_compiles_total{phase="warmup"}'
 ENCODER_RUNS = "vllm_hpu_mm:encoder_runs_total"
@@ -64,7 +64,7 @@ def has_images(model: str) -> bool:
 
 
 def is_tiny(model: str) -> bool:
-    """A random-weights model of ``vllm_hpu_mm.tools`` (its answer is noise)."""
+    """A random-weights model of ``tools.build_tiny_models`` (its answer is noise)."""
     return (Path(model) / STAMP_FILE).is_file()
 
 

@@ -16,7 +16,7 @@ __all__ = ["MODELS_DIR", "REPO_ROOT", "hf_greedy"]
 
 def _tiny_model_dir(name: str) -> str:
     """``models/<name>``, built with the repository's builder if missing."""
-    from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+    from tools.build_tiny_models import build_tiny_model
 
     return str(build_tiny_model(MODELS_DIR, name))
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from tests.mm_reference import png_data_url
-from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
-from vllm_hpu_mm.tools.tiny_model_specs import MLLAMA_IMAGE_TOKEN
+from tools.build_tiny_models import build_tiny_model
+from tools.tiny_model_specs import MLLAMA_IMAGE_TOKEN
 
 IMAGE_TOKEN = MLLAMA_IMAGE_TOKEN
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"

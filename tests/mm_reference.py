@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.tools import tiny_model_specs as specs
-from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+from tools import tiny_model_specs as specs
+from tools.build_tiny_models import build_tiny_model
 
 IMAGE_TOKEN = specs.LLAVA_IMAGE_TOKEN
 NUM_IMAGE_TOKENS = specs.LLAVA_NUM_IMAGE_TOKENS

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from tests.mm_reference import MODELS_DIR, greedy_generate, hf_vlm_greedy
-from vllm_hpu_mm.tools import tiny_model_specs as specs
-from vllm_hpu_mm.tools.build_tiny_models import build_tiny_model
+from tools import tiny_model_specs as specs
+from tools.build_tiny_models import build_tiny_model
 
 QWEN_MODEL = "tiny-qwen2_5-vl"
 

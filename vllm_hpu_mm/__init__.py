@@ -51,7 +51,16 @@ def _ensure_prometheus_multiprocess_dir() -> None:
     """Let the worker's counters reach /metrics: vLLM's API server merges every
     process's values only in prometheus_client's multiprocess mode, which must
     be chosen before prometheus_client is first imported (an operator's own
-    PROMETHEUS_MULTIPROC_DIR is kept)."""
+    PROMETHEUS_MULTIPROC_DIR is kept).
+
+    Not vLLM's ``setup_multiprocess_prometheus()``, which does the same: its module
+    (``vllm.v1.metrics.prometheus``) imports prometheus_client at its top, and
+    prometheus_client fixes its value class (in-memory or multiprocess files) at
+    that first import, so calling it here would leave this process (the API
+    server) in-memory while /metrics reads only the files (checked: ``MutexValue``
+    after the call). vLLM itself calls it only in a parent, before starting
+    several API servers. The registry /metrics serves is vLLM's
+    ``get_prometheus_registry()``, which ``metrics_reader`` reads too."""
     import atexit
     import os
     import shutil

@@ -100,7 +100,10 @@ _REMOVED = {  # key -> why it is gone
     f"{ROOT_KEY}.mm_encoder_cache_items": ": it was removed, because vLLM's scheduler "
     "decides which encoder outputs stay cached (its encoder cache is sized in "
     "embeddings from --max-num-batched-tokens) and the worker must keep each one "
-    "until the scheduler frees it."
+    "until the scheduler frees it.",
+    f"{ROOT_KEY}.mm_max_image_pixels": ": it was removed; the image pixel limit is "
+    "vLLM's own environment variable VLLM_MAX_IMAGE_PIXELS (the plugin sets it to "
+    "16777216, 4096 x 4096, when it is not set).",
 }
 
 
@@ -402,11 +405,6 @@ class HpuMMConfig(_Section):
     """Warm-up before serving."""
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     """Device memory at start-up."""
-    mm_max_image_pixels: int = Field(default=4096 * 4096, ge=1)
-    """Largest image a request may send, in pixels (width x height, 4096 x 4096 by
-    default). It is read from the image header before any pixel is decoded, so a
-    decompression bomb is refused with a 400 in the API server (see the README's
-    Reliability section)."""
     config_file: str | None = None
     """YAML file that is read first. Keys given inline override its keys. After loading,
     this key holds the resolved absolute path."""

@@ -2,7 +2,7 @@
 ``Gemma3ForConditionalGeneration``): greedy parity with HF transformers, whose
 Gemma 3 lets the soft tokens of one image attend to each other both ways.
 
-The model is ``models/tiny-gemma3`` (``vllm_hpu_mm.tools.build_tiny_models``):
+The model is ``models/tiny-gemma3`` (``tools.build_tiny_models``):
 SigLIP tower pooled to 16 soft tokens per image, four text layers alternating a
 12-token sliding window (shorter than an image) and global attention. Each
 ``<start_of_image>`` of the prompt becomes ``\\n\\n<start_of_image>`` + 16
@@ -36,7 +36,7 @@ from tests.mm_reference import (
     load_hf_vlm,
     make_image,
 )
-from vllm_hpu_mm.tools import tiny_model_specs as specs
+from tools import tiny_model_specs as specs
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ import pytest
 from tests.e2e.test_serve import Server, serve
 from tests.mllama_reference import hf_mllama_greedy, mllama_chat
 from tests.mm_reference import make_image
-from vllm_hpu_mm.tools import build_tiny_models as btm
+from tools import build_tiny_models as btm
 
 pytestmark = pytest.mark.e2e
 

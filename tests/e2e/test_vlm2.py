@@ -1,7 +1,7 @@
 """Offline ``vllm.LLM`` on the plugin with the second VLM (tiny Idefics3): greedy
 parity with HF transformers.
 
-The model is ``models/tiny-idefics3`` (``vllm_hpu_mm.tools.build_tiny_models``):
+The model is ``models/tiny-idefics3`` (``tools.build_tiny_models``):
 SigLIP-like tower, pixel-shuffle connector, tiny Llama. Every image becomes
 ``<fake_token_around_image><global-img>`` + 16 ``<image>`` +
 ``<fake_token_around_image>`` (19 prompt ids, 16 of them take an image embedding).
@@ -28,7 +28,7 @@ from tests.mm_reference import (
     load_hf_processor,
     load_hf_vlm,
 )
-from vllm_hpu_mm.tools import tiny_model_specs as specs
+from tools import tiny_model_specs as specs
 
 pytestmark = pytest.mark.e2e
 

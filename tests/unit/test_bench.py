@@ -40,6 +40,11 @@ class WordTokenizer:
     def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
         return [int(w[1:]) for w in text.split() if w.startswith("w")]
 
+    def __call__(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        from transformers import BatchEncoding
+
+        return BatchEncoding({"input_ids": self.encode(text)})
+
 
 VOCAB = list(range(10, 110))
 
@@ -179,47 +184,60 @@ def test_synthetic_image_seeded() -> None:
 
 
 def test_sharegpt4v_file(tmp_path: Path) -> None:
+    """vLLM's ShareGPTDataset draws the entries (its rules: two turns, prompts and
+    answers of at least 4 tokens); the local images and the image token are ours."""
+    from vllm_hpu_mm.bench.sharegpt import sharegpt4v
+
     ds.synthetic_image((20, 10), 1).save(tmp_path / "a.png")
     entries = [
         {
             "id": "1",
             "image": "a.png",
             "conversations": [
-                {"from": "human", "value": "<image>\nWhat is it?"},
-                {"from": "gpt", "value": "w1 w2 w3"},
+                {"from": "human", "value": "<image>\nw1 w2 w3 w4 ?"},
+                {"from": "gpt", "value": "w1 w2 w3 w4 w5"},
             ],
         },
-        {
+        {  # its image is missing: skipped
             "id": "2",
             "image": "missing.png",
-            "conversations": [{"from": "human", "value": "<image>\nx"}],
+            "conversations": [
+                {"from": "human", "value": "<image>\nw1 w2 w3 w4"},
+                {"from": "gpt", "value": "w1 w2 w3 w4"},
+            ],
         },
         {
             "id": "3",
             "conversations": [
-                {"from": "human", "value": "Text only"},
+                {"from": "human", "value": "Text w1 w2 w3 w4 only"},
+                {"from": "gpt", "value": "w5 w6 w7 w8"},
+            ],
+        },
+        {  # an answer of 1 token: vLLM leaves it out
+            "id": "4",
+            "conversations": [
+                {"from": "human", "value": "w1 w2 w3 w4"},
                 {"from": "gpt", "value": "w5"},
             ],
         },
     ]
     path = tmp_path / "data.json"
     path.write_text(json.dumps(entries))
-    reqs = ds.sharegpt4v(path, 4, WordTokenizer(), "<IMG>", seed=0)
-    assert len(reqs) == 4  # two usable entries, cycled
+    reqs = sharegpt4v(path, 4, WordTokenizer(), "<IMG>", seed=0)
+    assert len(reqs) == 4  # two usable entries, drawn again up to 4
+    assert all(r.output_len >= 4 for r in reqs)  # entry 4 left out, as vLLM does
     with_image = [r for r in reqs if r.images]
     text_only = [r for r in reqs if not r.images]
-    assert len(with_image) == 2 and len(text_only) == 2
-    assert with_image[0].prompt == "<IMG>\nWhat is it?"
+    assert with_image and text_only
+    assert with_image[0].prompt == "<IMG>\nw1 w2 w3 w4 ?"
     assert with_image[0].images[0].size == (20, 10)
-    assert with_image[0].output_len == 3 and text_only[0].output_len == 1
-    fixed = ds.sharegpt4v(path, 2, WordTokenizer(), "<IMG>", output_len=9)
+    assert with_image[0].output_len == 5 and text_only[0].output_len == 4
+    fixed = sharegpt4v(path, 2, WordTokenizer(), "<IMG>", output_len=9)
     assert all(r.output_len == 9 for r in fixed)
     only_images = tmp_path / "images.json"
     only_images.write_text(json.dumps(entries[:2]))
     with pytest.raises(ValueError, match="no usable entries"):
-        ds.sharegpt4v(
-            only_images, 2, WordTokenizer(), "<IMG>", image_root=tmp_path / "x"
-        )
+        sharegpt4v(only_images, 2, WordTokenizer(), "<IMG>", image_root=tmp_path / "x")
 
 
 # --- statistics ---------------------------------------------------------------------

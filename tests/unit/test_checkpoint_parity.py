@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import MODELS_DIR
 from tests.fresh_interpreter import run_for_result
-from vllm_hpu_mm.tools.build_tiny_models import build_tiny_models, model_specs
+from tools.build_tiny_models import build_tiny_models, model_specs
 
 BUILT = list(model_specs())
 MODULE_NAME_LAYOUT = ["tiny-mllama", "tiny-llava", "tiny-gemma3"]
@@ -92,7 +92,7 @@ def probe(dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Any
 
 
 def test_module_name_layouts_differ_from_save_pretrained(dirs: dict[str, str]) -> None:
-    from vllm_hpu_mm.tools.build_tiny_models import checkpoint_names
+    from tools.build_tiny_models import checkpoint_names
 
     for name in MODULE_NAME_LAYOUT:
         saved = checkpoint_names(dirs[name])

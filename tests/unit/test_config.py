@@ -54,7 +54,6 @@ def write(path: Path, text: str) -> Path:
 def test_defaults() -> None:
     cfg = HpuMMConfig()
     assert cfg.graph_mode == "auto"
-    assert cfg.mm_max_image_pixels == 4096 * 4096
     assert cfg.config_file is None
     assert cfg.bucketing == BucketingConfig()
     assert cfg.bucketing.strategy == "exponential"
@@ -155,7 +154,6 @@ def test_file_then_inline_precedence(tmp_path: Path) -> None:
     path = write(
         tmp_path / "mine.yaml",
         "graph_mode: compile\n"
-        "mm_max_image_pixels: 1024\n"
         "bucketing:\n  strategy: linear\n  block_step: 64\n"
         "warmup:\n  skip: true\n",
     )
@@ -167,7 +165,6 @@ def test_file_then_inline_precedence(tmp_path: Path) -> None:
     assert cfg.graph_mode == "eager"  # inline wins
     assert cfg.bucketing.block_step == 8  # inline wins, key by key
     assert cfg.bucketing.strategy == "linear"  # from the file
-    assert cfg.mm_max_image_pixels == 1024  # from the file
     assert cfg.warmup.skip is True  # from the file
     assert cfg.config_file == str(path.resolve())
 
@@ -290,8 +287,8 @@ def test_misspelled_root_key() -> None:
     [
         ({"warmup": {"skip": 1}}, "hpu_mm.warmup.skip = 1", "true or false"),
         ({"warmup": {"skip": "true"}}, "hpu_mm.warmup.skip = 'true'", "true or false"),
-        ({"mm_max_image_pixels": True}, "pixels = True", "an integer"),
-        ({"mm_max_image_pixels": 2.0}, "pixels = 2.0", "an integer"),
+        ({"bucketing": {"block_step": True}}, "block_step = True", "an integer"),
+        ({"bucketing": {"block_step": 2.0}}, "block_step = 2.0", "an integer"),
         ({"bucketing": {"block_step": "16"}}, "block_step = '16'", "an integer"),
         (
             {"bucketing": {"fallback_max_pad_ratio": False}},
@@ -311,7 +308,7 @@ def test_wrong_types(hpu_mm: dict[str, Any], key: str, allowed: str) -> None:
 
 
 def test_bool_is_not_a_number_explained() -> None:
-    assert "true/false is not a number" in error_of(mm_max_image_pixels=False)
+    assert "true/false is not a number" in error_of(bucketing={"block_step": False})
     assert "not a number" not in error_of(bucketing={"file": True})  # a string
 
 
@@ -470,7 +467,7 @@ def test_to_dict_is_plain() -> None:
 def test_docs_cover_every_key() -> None:
     doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     keys = list(describe_keys())
-    assert len(keys) == 21
+    assert len(keys) == 20
     for info in keys:
         assert f"`{info.key}`" in doc, info.key
     for info in describe_keys(ExplicitBuckets):
@@ -484,7 +481,6 @@ POSITIVE_INTS = [
     ("bucketing", "decode_step_batch"),
     ("bucketing", "block_step"),
     ("bucketing", "vision_min_patches"),
-    (None, "mm_max_image_pixels"),
 ]
 
 positive = st.integers(min_value=1, max_value=1 << 20)
@@ -517,7 +513,6 @@ hpu_mm_dicts = st.fixed_dictionaries(
                 "graph_reserve_fraction": st.floats(min_value=0.0, max_value=0.9)
             },
         ),
-        "mm_max_image_pixels": positive,
     },
 )
 
@@ -586,6 +581,12 @@ def test_removed_encoder_cache_key_says_why() -> None:
     msg = error_of(mm_encoder_cache_items=64)
     assert "hpu_mm.mm_encoder_cache_items (from --additional-config)" in msg
     assert "removed" in msg and "scheduler" in msg
+
+
+def test_removed_pixel_limit_key_names_vllms_variable() -> None:
+    msg = error_of(mm_max_image_pixels=1024)
+    assert "hpu_mm.mm_max_image_pixels (from --additional-config)" in msg
+    assert "removed" in msg and "VLLM_MAX_IMAGE_PIXELS" in msg
 
 
 @pytest.mark.parametrize(

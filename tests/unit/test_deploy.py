@@ -484,7 +484,7 @@ def test_plugin_config_loads_and_buckets_end_at_the_limits(
 
 
 def test_cpu_dev_builds_and_serves_the_tiny_model() -> None:
-    from vllm_hpu_mm.tools.build_tiny_models import model_specs
+    from tools.build_tiny_models import model_specs
 
     docs = kustomize(DEPLOY / "overlays" / "cpu-dev")
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
@@ -492,7 +492,8 @@ def test_cpu_dev_builds_and_serves_the_tiny_model() -> None:
     (c,) = pod["containers"]
     assert init["command"][:2] == ["python3", "-m"]
     module = init["command"][2]
-    assert module == "vllm_hpu_mm.tools.build_tiny_models"
+    assert module == "tools.build_tiny_models"
+    assert init["workingDir"] == "/opt/vllm-hpu-mm"  # where the image copies tools/
     out = init["args"][init["args"].index("--out") + 1]
     assert mount_of(init, "models") == out == mount_of(c, "models")
     model = env_of(c)["MODEL"]

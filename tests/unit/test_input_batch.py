@@ -156,6 +156,18 @@ def test_per_row_sampling_state_follows_the_request() -> None:
     assert md.allowed_token_ids_mask is None
 
 
+def test_sampling_columns_are_vllms_buffers_in_pageable_memory() -> None:
+    from vllm.v1.utils import CpuGpuBuffer
+
+    batch = make(4)
+    batch.sync([state(1, temperature=0.5)])
+    column = batch.columns["temperature"]
+    assert isinstance(column, CpuGpuBuffer)
+    assert not column.cpu.is_pinned()  # the platform has no pinned memory
+    assert batch.metadata.temperature is not None
+    assert batch.metadata.temperature.data_ptr() == column.gpu.data_ptr()  # a view
+
+
 def test_vllm_logit_bias_follows_moves() -> None:
     """vLLM's own LogitBias processor, fed by the batch's updates, biases the
     row where its request is now."""

@@ -91,7 +91,7 @@ def _closed_port() -> int:
 
 
 def _connector() -> Any:
-    register_connector(4096 * 4096)
+    register_connector()
     return MEDIA_CONNECTOR_REGISTRY.load(CONNECTOR_NAME)
 
 
@@ -159,7 +159,7 @@ import asyncio, sys
 from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY
 from vllm_hpu_mm.serving.errors import RequestRejected
 from vllm_hpu_mm.serving.media import CONNECTOR_NAME, register_connector
-register_connector(4096 * 4096)
+register_connector()
 conn = MEDIA_CONNECTOR_REGISTRY.load(CONNECTOR_NAME)
 url = "http://image-host.invalid/cat.png"
 for name, fetch in [

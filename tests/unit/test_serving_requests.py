@@ -66,14 +66,6 @@ def test_stray_positions_and_text_models() -> None:
     assert stray_image_tokens([IMG], {}, frozenset()) == []
 
 
-def test_limits_from_hf_config() -> None:
-    llava = SimpleNamespace(image_token_index=32000)
-    idefics = SimpleNamespace(image_token_id=49190)
-    assert RequestLimits.from_hf_config(llava).image_token_ids == {32000}
-    assert RequestLimits.from_hf_config(idefics).image_token_ids == {49190}
-    assert RequestLimits.from_hf_config(None).image_token_ids == frozenset()
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -96,16 +88,34 @@ def test_pooling_is_a_validation_error() -> None:
 
 
 def connector() -> object:
-    register_connector(64 * 64)
+    register_connector()
     return MEDIA_CONNECTOR_REGISTRY.load(CONNECTOR_NAME)
 
 
-def test_connector_checks_data_urls() -> None:
+def test_connector_checks_data_urls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_MAX_IMAGE_PIXELS", str(64 * 64))  # vLLM's own limit
     conn = connector()
     ok = conn.fetch_image(s.data_url(s.encode(s.gradient_rgb(40, 24))))  # type: ignore[attr-defined]
     assert ok.size == (40, 24) and ok.mode == "RGB"
     with pytest.raises(RequestRejected, match="over the limit of 4096"):
         conn.fetch_image(s.data_url(s.png_with_header(65, 64)))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("given", "limit"), [(None, "16777216"), ("100", "100")])
+def test_install_sets_vllms_pixel_limit_unless_given(
+    monkeypatch: pytest.MonkeyPatch, given: str | None, limit: str
+) -> None:
+    from vllm import envs
+
+    from vllm_hpu_mm.serving import install
+
+    monkeypatch.delenv("VLLM_MEDIA_CONNECTOR", raising=False)
+    monkeypatch.delenv("VLLM_MAX_IMAGE_PIXELS", raising=False)
+    if given is not None:
+        monkeypatch.setenv("VLLM_MAX_IMAGE_PIXELS", given)
+    install(SimpleNamespace(), SimpleNamespace())
+    assert int(limit) == envs.VLLM_MAX_IMAGE_PIXELS  # what vLLM's loaders read
+    assert CONNECTOR_NAME == envs.VLLM_MEDIA_CONNECTOR
 
 
 @pytest.mark.parametrize(

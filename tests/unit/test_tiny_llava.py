@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from tests.fresh_interpreter import run_for_result
+from tools import tiny_model_specs as specs
 from vllm_hpu_mm.models.compat import PIL_PIXTRAL_MODULE
-from vllm_hpu_mm.tools import tiny_model_specs as specs
 
 
 def _image(kind: str, size: tuple[int, int] = (48, 40)):

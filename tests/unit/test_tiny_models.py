@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MODELS_DIR
-from vllm_hpu_mm.tools import build_tiny_models as btm
-from vllm_hpu_mm.tools import tiny_model_specs as specs
+from tools import build_tiny_models as btm
+from tools import tiny_model_specs as specs
 
 # The published Llama-3.2-Vision layout (and what save_pretrained writes).
 MLLAMA_PUBLISHED = (
@@ -33,6 +33,14 @@ def _tensors(model_dir: Path) -> dict:
     for file in btm.weight_files(model_dir):
         out.update(load_file(str(file)))
     return out
+
+
+def test_builders_are_not_in_the_installed_package() -> None:
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm_hpu_mm.tools.build_tiny_models") is None
+    assert importlib.util.find_spec("vllm_hpu_mm.tools.tiny_model_specs") is None
+    assert Path(btm.__file__).parent.name == "tools"  # the repository's tools/
 
 
 def test_every_spec_is_built_and_stamped(built: dict[str, Path]) -> None:

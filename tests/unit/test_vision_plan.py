@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tools import tiny_model_specs as specs
 from vllm_hpu_mm.bucketing.vision import (
     PatchGeometry,
     doubling_buckets,
@@ -17,7 +18,6 @@ from vllm_hpu_mm.bucketing.vision import (
     plan_vision_buckets,
 )
 from vllm_hpu_mm.cli.main import main
-from vllm_hpu_mm.tools import tiny_model_specs as specs
 
 GEOMETRY = PatchGeometry(
     patch_size=specs.QWEN_PATCH_SIZE,

@@ -338,3 +338,10 @@ def test_scaling_table(b: ModuleType) -> None:
     lines = b.scaling_table(with_hf).splitlines()
     assert lines[0].endswith("| HF tok/s | ours / HF |")
     assert lines[2] == "| 128 | 32 | 64 | 64.0 | - | - | 32.0 | 2.00x |"
+
+
+def test_script_and_its_parts_stay_small() -> None:
+    files = [SCRIPT, *sorted((ROOT / "benchmarks" / "vs_vllm_cpu_parts").glob("*.py"))]
+    assert len(files) > 1
+    lines = {f.name: len(f.read_text(encoding="utf-8").splitlines()) for f in files}
+    assert max(lines.values()) <= 500, lines

@@ -269,7 +269,9 @@ def make_requests(args: argparse.Namespace) -> list[ds.BenchRequest]:
         )
     if args.dataset_path is None:
         raise ValueError("--dataset-name sharegpt4v needs --dataset-path")
-    return ds.sharegpt4v(
+    from vllm_hpu_mm.bench.sharegpt import sharegpt4v
+
+    return sharegpt4v(
         args.dataset_path,
         args.num_warmups + args.num_prompts,
         tokenizer,

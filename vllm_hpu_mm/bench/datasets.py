@@ -1,4 +1,4 @@
-"""Benchmark requests: seeded synthetic sets and ShareGPT4V-style JSON files.
+"""Benchmark requests: the seeded synthetic sets (ShareGPT files: ``sharegpt.py``).
 
 - ``random``: token-id prompts of ``input_len`` random ids (after an optional
   shared ``prefix_len`` prefix), exact lengths, text models and VLMs alike;
@@ -6,9 +6,23 @@
   noise, sizes from a list of ``WxH`` or from aspect ratios), a number of images
   per prompt, an optional pool of distinct images shared across prompts and a
   shared text prefix (what prefix caching and the encoder cache can reuse);
-- ``sharegpt4v``: a JSON list of ``{"image": "rel/path.jpg", "conversations":
-  [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}]}``
-  with the images on local disk.
+- ``sharegpt4v`` (``sharegpt.py``): a JSON list of ``{"image": "rel/path.jpg",
+  "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt",
+  "value": ...}]}`` with the images on local disk, drawn by vLLM's own
+  ``ShareGPTDataset``.
+
+Why the two synthetic sets are not vLLM's (``vllm.benchmarks.datasets``):
+
+- ``random`` is exact token ids: vLLM's ``RandomDataset`` decodes random ids to
+  text and encodes it again, which with the tiny models' BPE tokenizer does not
+  keep the lengths (``benchmarks/vs_vllm_cpu.py`` hands vLLM these prompts for
+  the same reason), and the HF-parity and bucket figures need exact lengths.
+- ``random-mm``: vLLM's ``RandomMultiModalDataset`` has no pool of images shared
+  across prompts (what the encoder-cache and prefix-cache figures measure), draws
+  items per prompt as base x (1 +- ratio) rather than MIN-MAX, returns its images
+  as JPEG data URLs for the chat API (the offline backends need PIL images, the
+  same for HF and vLLM) and writes no image placeholder into the prompt (the chat
+  template adds it there; ``generate`` needs it in the text).
 
 Every generator takes a seed and returns the same requests for the same
 arguments. Nothing here imports torch or vLLM.
@@ -16,13 +30,11 @@ arguments. Nothing here imports torch or vLLM.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 logger = logging.getLogger("vllm.hpu_mm.bench")
@@ -240,76 +252,6 @@ def random_mm(
                 prompt=prefix + image_token * n_items + body,
                 images=ims,
                 image_keys=[key for key, _, _ in chosen],
-            )
-        )
-    return out
-
-
-def sharegpt4v(
-    path: Path,
-    num_prompts: int,
-    tokenizer: Tokenizer,
-    image_token: str | None,
-    *,
-    output_len: int | None = None,
-    image_root: Path | None = None,
-    seed: int = 0,
-) -> list[BenchRequest]:
-    """Requests from a ShareGPT4V-style JSON list (first human turn as the
-    prompt, first gpt turn's token count as the output length unless
-    ``output_len``). Image paths are relative to ``image_root`` (default: the
-    file's folder). Entries whose image is missing are skipped with a warning.
-    Shuffled with ``seed``; repeated in order when the file has fewer entries
-    than ``num_prompts``."""
-    from PIL import Image
-
-    root = image_root or path.parent
-    try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read a ShareGPT4V JSON list: {exc}") from exc
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: expected a JSON list of conversations")
-    usable: list[tuple[str, str | None, int]] = []
-    missing = 0
-    for i, entry in enumerate(entries):
-        turns = entry.get("conversations") if isinstance(entry, dict) else None
-        human = next(
-            (t["value"] for t in turns or [] if t.get("from") == "human"), None
-        )
-        answer = next((t["value"] for t in turns or [] if t.get("from") == "gpt"), "")
-        if not isinstance(human, str):
-            raise ValueError(f"{path}, entry {i}: no human turn in 'conversations'")
-        image = entry.get("image")
-        if image is not None and not (root / image).is_file():
-            missing += 1
-            continue
-        n_out = output_len or max(
-            1, len(tokenizer.encode(answer, add_special_tokens=False))
-        )
-        usable.append((human, image, n_out))
-    if missing:
-        logger.warning("%s: %d entries skipped (image file missing)", path, missing)
-    if not usable:
-        raise ValueError(f"{path}: no usable entries (images under {root})")
-    random.Random(seed).shuffle(usable)
-    out = []
-    for k in range(num_prompts):
-        human, image, n_out = usable[k % len(usable)]
-        if image is None:
-            out.append(BenchRequest(output_len=n_out, prompt=human))
-            continue
-        if image_token is None:
-            raise ValueError(f"{path}: entries have images but the model takes none")
-        text = human if IMAGE_PLACEHOLDER in human else IMAGE_PLACEHOLDER + human
-        with Image.open(root / image) as im:
-            picture = im.convert("RGB")
-        out.append(
-            BenchRequest(
-                output_len=n_out,
-                prompt=text.replace(IMAGE_PLACEHOLDER, image_token),
-                images=[picture] * text.count(IMAGE_PLACEHOLDER),
-                image_keys=[str(image)] * text.count(IMAGE_PLACEHOLDER),
             )
         )
     return out

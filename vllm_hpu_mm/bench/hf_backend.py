@@ -29,6 +29,7 @@ from typing import Any
 from vllm_hpu_mm.bench.datasets import BenchRequest
 from vllm_hpu_mm.bench.memory import peak_rss_bytes, reset_peak_rss
 from vllm_hpu_mm.bench.stats import HF, RequestRecord, backend_result
+from vllm_hpu_mm.multimodal.token_ids import image_token_id
 
 logger = logging.getLogger("vllm.hpu_mm.bench")
 
@@ -112,7 +113,7 @@ class HfRunner:
         self.model = device.hf_model_to_device(model)
         self.device = device.torch_device()
         self.generate_kwargs = device.hf_generate_kwargs()
-        self.image_id = _image_token_id(config)
+        self.image_id = image_token_id(config)
         # Mllama: ids from the tokenizer, like vLLM (see the module docstring)
         self.mllama = getattr(config, "model_type", None) == "mllama"
 
@@ -211,14 +212,6 @@ class HfRunner:
         sequences = getattr(out, "sequences", out)
         new = sequences[:, inputs["input_ids"].shape[1] :]
         return clock.stamps, [row.tolist() for row in new]
-
-
-def _image_token_id(config: Any) -> int | None:
-    for key in ("image_token_index", "image_token_id"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def run_hf(

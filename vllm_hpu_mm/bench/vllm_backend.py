@@ -26,7 +26,8 @@ from typing import Any
 from vllm_hpu_mm.bench.datasets import BenchRequest
 from vllm_hpu_mm.bench.memory import children_peak_rss_bytes, peak_rss_bytes
 from vllm_hpu_mm.bench.stats import VLLM, RequestRecord, backend_result
-from vllm_hpu_mm.metrics_reader import read_metric
+from vllm_hpu_mm.metrics_reader import read_metric, read_samples
+from vllm_hpu_mm.multimodal.token_ids import image_token_id
 
 logger = logging.getLogger("vllm.hpu_mm.bench")
 
@@ -43,23 +44,9 @@ def plugin_counter(name: str, labels: Mapping[str, str] | None = None) -> int:
 
 
 def plugin_samples(name: str) -> dict[str, float]:
-    """Every sample called ``name`` in the multiprocess dir, by its ``bucket``
-    label (empty when the plugin does not export it)."""
-    import os
-
-    from prometheus_client import CollectorRegistry, multiprocess
-
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not directory:
-        return {}
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=directory)
-    out: dict[str, float] = {}
-    for family in registry.collect():
-        for s in family.samples:
-            if s.name == name and "bucket" in s.labels:
-                out[s.labels["bucket"]] = out.get(s.labels["bucket"], 0.0) + s.value
-    return out
+    """Every sample called ``name`` by its ``bucket`` label (empty when the plugin
+    does not export it)."""
+    return read_samples(name, "bucket")
 
 
 def _plugin_snapshot() -> dict[str, Any]:
@@ -85,16 +72,6 @@ def _vllm_counters(llm: Any) -> dict[str, float]:
         if isinstance(metric, Counter):
             out[metric.name] = out.get(metric.name, 0.0) + metric.value
     return out
-
-
-def image_token_id(hf_config: Any) -> int | None:
-    """The id of the image placeholder token of a VLM config (None: text model)."""
-    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
-        for key in ("image_token_index", "image_token_id"):
-            value = getattr(cfg, key, None)
-            if isinstance(value, int):
-                return value
-    return None
 
 
 def _engine_input(req: BenchRequest) -> Any:

@@ -3,9 +3,11 @@
 - ``read_header``: opens the bytes lazily (Pillow reads the header only, no
   pixel is decoded) and refuses empty data, formats outside vLLM's allow-list
   (naming what the bytes really are when it can tell: SVG, PDF, PostScript,
-  HEIC...), zero-size images and images over the pixel limit
-  (``hpu_mm.mm_max_image_pixels``): a decompression bomb of a few hundred
-  bytes that claims 100000 x 100000 pixels is refused here.
+  HEIC...), zero-size images and images over vLLM's pixel limit
+  (``VLLM_MAX_IMAGE_PIXELS``; 0 or less: no limit, as in vLLM): a decompression
+  bomb of a few hundred bytes that claims 100000 x 100000 pixels is refused here.
+  vLLM's own ``ImageMediaIO`` checks the same limit, but raises a ``ValueError``
+  that becomes a bare "Failed to load image"; this names the size and the limit.
 - ``to_rgb``: the RGB image the model sees: the first frame of an animation,
   16-bit and float greyscale scaled to 8 bits (Pillow's own conversion clips
   them to white), transparency composited over a background, CMYK, palette
@@ -26,7 +28,7 @@ from vllm.multimodal.image import ALLOWED_IMAGE_FORMATS, convert_image_mode
 
 from vllm_hpu_mm.serving.errors import RequestRejected
 
-LIMIT_KEY = "hpu_mm.mm_max_image_pixels"
+LIMIT_KEY = "VLLM_MAX_IMAGE_PIXELS"  # vLLM's own limit (vllm.envs)
 
 # Leading bytes of formats that are not raster images vLLM decodes, so that the
 # message can say what was sent instead of "cannot identify image file".
@@ -100,10 +102,9 @@ def read_header(data: bytes, max_pixels: int) -> ImageHeader:
             # Pillow warns above its own limit; ours is checked just below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS)
-    except Image.DecompressionBombError as exc:
+    except Image.DecompressionBombError as exc:  # over Pillow's own hard limit
         raise RequestRejected(
-            f"image is too large: {exc} The limit is {max_pixels} pixels "
-            f"({LIMIT_KEY}).",
+            f"image is too large: {exc} ({LIMIT_KEY} is {max_pixels}).",
             parameter="image_url",
         ) from None
     except (Image.UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
@@ -120,7 +121,7 @@ def read_header(data: bytes, max_pixels: int) -> ImageHeader:
             f"image has zero size ({header.width}x{header.height} pixels)",
             parameter="image_url",
         )
-    if header.pixels > max_pixels:
+    if 0 < max_pixels < header.pixels:
         raise RequestRejected(
             f"image is too large: its {header.format} header says "
             f"{header.width}x{header.height} = {header.pixels} pixels, over the limit "

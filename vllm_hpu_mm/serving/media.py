@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import requests
 from PIL import Image
+from vllm import envs
 from vllm.exceptions import VLLMUnprocessableEntityError, VLLMValidationError
 from vllm.multimodal.media.base import MediaIO, MediaWithBytes
 from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY, MediaConnector
@@ -126,15 +127,14 @@ def _rejected_fetch(
 
 
 class CheckedImageMediaIO(ImageMediaIO):
-    """vLLM's image loader, with the header checked before any decoding."""
+    """vLLM's image loader, with the header checked before any decoding.
 
-    def __init__(self, *args: Any, max_pixels: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.max_pixels = max_pixels
+    The pixel limit is vLLM's ``VLLM_MAX_IMAGE_PIXELS``, read per image as
+    vLLM's own loader reads it."""
 
     # vLLM's ImageMediaIO returns MediaWithBytes where MediaIO says Image.
     def load_bytes(self, data: bytes) -> MediaWithBytes[Image.Image]:  # type: ignore[override]
-        header = read_header(data, self.max_pixels)
+        header = read_header(data, envs.VLLM_MAX_IMAGE_PIXELS)
         try:
             return super().load_bytes(data)
         except RequestRejected:
@@ -158,18 +158,13 @@ class CheckedImageMediaIO(ImageMediaIO):
 
 
 class CheckedMediaConnector(MediaConnector):
-    """vLLM's media connector with the plugin's image checks.
-
-    ``max_image_pixels`` is bound by ``register_connector`` (a subclass per
-    configuration); vLLM builds one connector per request."""
-
-    max_image_pixels: int = 4096 * 4096
+    """vLLM's media connector with the plugin's image checks (vLLM builds one
+    connector per request)."""
 
     def _image_io(self, image_mode: str | None = "RGB") -> ImageMediaIO:
         return CheckedImageMediaIO(
             **({"image_mode": image_mode} | self.media_io_kwargs.get("image", {})),
             decoded_budget=self.decoded_budget,
-            max_pixels=self.max_image_pixels,
         )
 
     def load_from_url(
@@ -225,13 +220,8 @@ class CheckedMediaConnector(MediaConnector):
             ) from None
 
 
-def register_connector(max_image_pixels: int) -> type[CheckedMediaConnector]:
-    """Register ``"hpu_mm"`` in vLLM's media-connector registry with this limit
-    (the last registration wins) and return its class."""
-    cls = type(
-        "CheckedMediaConnector",
-        (CheckedMediaConnector,),
-        {"max_image_pixels": max_image_pixels, "__module__": __name__},
-    )
-    MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)(cls)
-    return cls
+def register_connector() -> type[CheckedMediaConnector]:
+    """Register ``"hpu_mm"`` in vLLM's media-connector registry (idempotent: the
+    last registration wins) and return its class."""
+    MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)(CheckedMediaConnector)
+    return CheckedMediaConnector

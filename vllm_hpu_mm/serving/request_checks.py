@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hpu_mm.multimodal.token_ids import image_token_id
 from vllm_hpu_mm.serving.errors import RequestRejected
 
 
@@ -22,18 +23,14 @@ from vllm_hpu_mm.serving.errors import RequestRejected
 class RequestLimits:
     """What the request checks need from the model's config."""
 
-    # Token ids that stand for an image embedding (the HF config's
-    # image_token_index / image_token_id); empty for a text-only model.
+    # Token ids that stand for an image embedding (``token_ids.image_token_id``);
+    # empty for a text-only model.
     image_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> RequestLimits:
-        ids = set()
-        for name in ("image_token_index", "image_token_id"):
-            value = getattr(hf_config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                ids.add(value)
-        return cls(image_token_ids=frozenset(ids))
+        found = image_token_id(hf_config)
+        return cls(image_token_ids=frozenset(() if found is None else (found,)))
 
 
 def _covered(ranges: Iterable[Any]) -> list[tuple[int, int]]:

@@ -66,6 +66,12 @@ both, including Mllama's cross-attention image slots that no
 running request holds; `LLM.reset_mm_cache()` empties the input-processing caches
 and Mllama's idle image slots.
 
+The image pixel limit has no key either: it is vLLM's own environment variable
+`VLLM_MAX_IMAGE_PIXELS` (width x height; 0 turns it off). The plugin sets it to
+16777216 (4096 x 4096) when it is not set, lower than vLLM's default of
+178956970, so that a decompression bomb (a 100-byte PNG that claims 12000 x 12000
+pixels) is refused from its header with a 400 before anything is decoded.
+
 ## Where values come from
 
 1. The defaults above.

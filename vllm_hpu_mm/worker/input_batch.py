@@ -17,7 +17,6 @@ other. Padding rows of a step bucket never enter this batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,34 +28,15 @@ from vllm.v1.sample.logits_processor import (
     MoveDirectionality,
 )
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.utils import CpuGpuBuffer
 
 if TYPE_CHECKING:
     from vllm_hpu_mm.worker.requests import RequestState
 
 
-@dataclass(slots=True)
-class _Column:
-    """One per-row value: a host array (written per row) and its device copy."""
-
-    host: torch.Tensor  # [max_num_reqs] on the host
-    device: torch.Tensor  # [max_num_reqs] on the device
-
-    @classmethod
-    def make(cls, n: int, dtype: torch.dtype, device: torch.device) -> _Column:
-        return cls(
-            torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype, device=device)
-        )
-
-    @property
-    def np(self) -> np.ndarray:
-        return self.host.numpy()
-
-    def upload(self, n: int) -> torch.Tensor:
-        """Copy rows [0, n) to the device; returns the device view [n]."""
-        self.device[:n].copy_(self.host[:n], non_blocking=True)
-        return self.device[:n]
-
-
+# One per-row value each: vLLM's CpuGpuBuffer, a host array written per row
+# (``.np``) and its device copy, uploaded once per changed step (``copy_to_gpu``).
+# Pinned host memory follows the platform (``is_pin_memory_available``: False here).
 _COLUMNS: dict[str, torch.dtype] = {
     "temperature": torch.float32,
     "top_p": torch.float32,
@@ -86,7 +66,8 @@ class PersistentBatch:
         self._rows: list[RequestState | None] = []
         self.req_id_to_index: dict[str, int] = {}
         self.columns = {
-            k: _Column.make(max_num_reqs, t, device) for k, t in _COLUMNS.items()
+            k: CpuGpuBuffer(max_num_reqs, dtype=t, device=device)
+            for k, t in _COLUMNS.items()
         }
         self._greedy = np.zeros(max_num_reqs, dtype=bool)
         self.generators: dict[int, torch.Generator] = {}
@@ -265,19 +246,19 @@ class PersistentBatch:
             if getattr(s.sampling_params, "logprob_token_ids", None)
         }
         return SamplingMetadata(
-            temperature=None if all_greedy else cols["temperature"].upload(n),
+            temperature=None if all_greedy else cols["temperature"].copy_to_gpu(n),
             all_greedy=all_greedy,
             all_random=not bool(greedy.any()),
-            top_p=None if no_top_p else cols["top_p"].upload(n),
-            top_k=None if no_top_k else cols["top_k"].upload(n),
+            top_p=None if no_top_p else cols["top_p"].copy_to_gpu(n),
+            top_k=None if no_top_k else cols["top_k"].copy_to_gpu(n),
             generators=self.generators,
             max_num_logprobs=max(logprobs) if logprobs else None,
             logprob_token_ids=token_ids or None,  # type: ignore[arg-type]
             no_penalties=no_penalties,
             prompt_token_ids=None if no_penalties else self._prompt_ids(states),
-            frequency_penalties=cols["frequency_penalty"].upload(n),
-            presence_penalties=cols["presence_penalty"].upload(n),
-            repetition_penalties=cols["repetition_penalty"].upload(n),
+            frequency_penalties=cols["frequency_penalty"].copy_to_gpu(n),
+            presence_penalties=cols["presence_penalty"].copy_to_gpu(n),
+            repetition_penalties=cols["repetition_penalty"].copy_to_gpu(n),
             output_token_ids=[s.output_token_ids for s in states]
             if needs_output
             else [],

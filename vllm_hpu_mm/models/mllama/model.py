@@ -43,6 +43,7 @@ from vllm_hpu_mm.models.mllama.processing import (
     MllamaProcessingInfo,
 )
 from vllm_hpu_mm.models.mllama.vision import MllamaProjector, MllamaVisionEncoder
+from vllm_hpu_mm.multimodal.token_ids import require_image_token_id
 
 
 class MllamaCrossAttention(nn.Module):
@@ -212,7 +213,7 @@ class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
         text = config.text_config
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
         self.logits_processor = LogitsProcessor(text.vocab_size)
-        self.image_token_id = int(config.image_token_index)
+        self.image_token_id = require_image_token_id(config)
 
     # ---- what the runner calls -----------------------------------------------------
     @property

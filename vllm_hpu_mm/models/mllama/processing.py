@@ -37,6 +37,8 @@ from vllm.multimodal.processing import (
     PromptUpdateDetails,
 )
 
+from vllm_hpu_mm.multimodal.token_ids import require_image_token_id
+
 IMAGE_TOKEN = "<|image|>"
 
 
@@ -166,7 +168,7 @@ class MllamaMultiModalProcessor(BaseMultiModalProcessor[MllamaProcessingInfo]):
         hf_processor_mm_kwargs: Mapping[str, object],
         out_mm_kwargs: MultiModalKwargsItems,
     ) -> Sequence[PromptUpdate]:
-        image_id = int(self.info.get_hf_config().image_token_index)
+        image_id = require_image_token_id(self.info.get_hf_config())
         return [
             PromptReplacement(
                 modality="image",

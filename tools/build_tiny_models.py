@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m vllm_hpu_mm.tools.build_tiny_models --out models [--force] [--only NAME]
+    python -m tools.build_tiny_models --out models [--force] [--only NAME]
 
 Writes one directory per spec of ``tiny_model_specs`` (``tiny-llama``,
 ``tiny-mistral``, ``tiny-llava``, ``tiny-llava-released``, ``tiny-idefics3``,
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from vllm_hpu_mm.tools import tokenizer as tk
-from vllm_hpu_mm.tools.tiny_model_specs import SPECS, TinyModelSpec
+from tools import tokenizer as tk
+from tools.tiny_model_specs import SPECS, TinyModelSpec
 
 # Bump when the steps below change: every older build is then rebuilt.
 BUILD_VERSION = 2

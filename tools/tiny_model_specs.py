@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from vllm_hpu_mm.tools import tokenizer as tk
+from tools import tokenizer as tk
 
 
 @dataclass(frozen=True, slots=True)

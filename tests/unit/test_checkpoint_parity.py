@@ -22,7 +22,12 @@ from tests.conftest import MODELS_DIR
 from tests.fresh_interpreter import run_for_result
 from tools.build_tiny_models import build_tiny_models, model_specs
 
-BUILT = list(model_specs())
+# The mixture-of-experts checkpoint holds its experts fused (vLLM's w13/w2,
+# transposed against what transformers saves): its load is checked by HF greedy
+# parity (tests/e2e/test_qwen3_vl_moe.py) and the layout function
+# (tests/unit/test_moe_kernel.py), and the probe's one model-parallel set-up
+# has no expert-parallel group for it.
+BUILT = [name for name in model_specs() if "moe" not in name]
 MODULE_NAME_LAYOUT = ["tiny-mllama", "tiny-llava", "tiny-gemma3"]
 
 
@@ -65,7 +70,7 @@ def save_with_extra_tensor(model_dir: Path, out: Path, name: str) -> Path:
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Layout label -> model directory."""
     built = build_tiny_models(MODELS_DIR)
-    out = {name: str(path) for name, path in built.items()}
+    out = {name: str(path) for name, path in built.items() if name in BUILT}
     tmp = tmp_path_factory.mktemp("module_names")
     for name in MODULE_NAME_LAYOUT:
         out[f"{name} (module names)"] = str(

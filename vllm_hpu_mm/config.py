@@ -336,11 +336,16 @@ class WarmupConfig(_Section):
     progress_bar: bool = True
     """Show a progress bar during warm-up."""
     compile_cache_dir: str | None = None
-    """Directory of torch.compile's on-disk caches (inductor's FX graph cache and
-    AOTAutograd's cache) in graph mode: a later start of the same model with the same
-    buckets and KV-cache size loads its graphs from there instead of compiling them
-    again. Unset: `TORCHINDUCTOR_CACHE_DIR` when that is set, else
-    `$XDG_CACHE_HOME/vllm-hpu-mm/torch-compile` (by default under `~/.cache`)."""
+    """Directory of the compile caches in graph mode. CPU and CUDA: Inductor's
+    FX graph and AOTAutograd caches (`TORCHINDUCTOR_CACHE_DIR`): a later start of
+    the same model with the same buckets and KV-cache size reuses the generated
+    code (Dynamo still traces each graph). Gaudi: Inductor's cache does nothing
+    for `hpu_backend`; the directory holds Habana's recipe cache instead
+    (`PT_HPU_RECIPE_CACHE_CONFIG=<dir>/hpu-recipes,False,8192`, set when unset),
+    the only on-disk cache of compiled HPU graphs. Unset: `TORCHINDUCTOR_CACHE_DIR`
+    when that is set, else `$XDG_CACHE_HOME/vllm-hpu-mm/torch-compile` (by default
+    under `~/.cache`), and on Gaudi no recipe cache unless the environment sets
+    one."""
 
 
 class MemoryConfig(_Section):

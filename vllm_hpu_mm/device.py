@@ -22,10 +22,13 @@ Device choice (``select_device``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -425,3 +428,81 @@ def hf_generate_kwargs() -> dict[str, Any]:
         lazy = is_lazy_mode()
         return {"lazy_mode": lazy, "hpu_graphs": lazy}
     return {}
+
+
+# --- compile-only warmup and the compile caches (Gaudi) ---------------------------
+
+COMPILE_ONLY_SETTING = "PT_COMPILE_ONLY_MODE"
+RECIPE_CACHE_ENV = "PT_HPU_RECIPE_CACHE_CONFIG"
+MULTI_THREADED_FUSER_ENV = "FUSER_ENABLE_MULTI_THREADED_INVOCATIONS"
+# The recipe cache's size limit, in MB (the third field of its setting).
+RECIPE_CACHE_MB = 8192
+
+
+def _compile_only_setting() -> Callable[[], AbstractContextManager[Any]] | None:
+    """The bridge's ``env_setting("PT_COMPILE_ONLY_MODE", True)`` context, or
+    None where the bridge does not know the setting (older Gaudi software
+    raises KeyError when it is entered; the official plugin probes it so)."""
+    try:
+        bc = importlib.import_module("habana_frameworks.torch.internal.bridge_config")
+        setting = functools.partial(bc.env_setting, COMPILE_ONLY_SETTING, True)
+        with setting():
+            pass
+    except (ImportError, AttributeError, KeyError):
+        return None
+    return setting
+
+
+@contextlib.contextmanager
+def compile_only_mode() -> Iterator[bool]:
+    """Gaudi: run the body in the bridge's compile-only mode, where graphs and
+    ops are compiled into recipes but not executed, so warmup costs the
+    compilations alone. Tensor values are then never computed: nothing inside
+    may read a device tensor back to the host (``.item()``, ``.tolist()``,
+    ``bool(t)``, a host copy) or depend on one. Yields whether the mode is
+    on: False on the CPU and CUDA (a no-op) and where the bridge lacks it
+    (warmup then executes every graph once, slower but correct)."""
+    if device_kind() != "hpu":
+        yield False
+        return
+    setting = _compile_only_setting()
+    if setting is None:
+        logger.warning(
+            "Habana's bridge has no %s: warmup runs every graph instead of only "
+            "compiling it (slower start-up); update the Gaudi software",
+            COMPILE_ONLY_SETTING,
+        )
+        yield False
+        return
+    with setting():
+        yield True
+
+
+def gaudi_compile_env(
+    environ: Mapping[str, str], cache_dir: str | None
+) -> dict[str, str]:
+    """The variables to add to ``environ`` for Gaudi's graph compiler (a value
+    the operator set is kept):
+
+    - ``PT_HPU_RECIPE_CACHE_CONFIG=<cache_dir>/hpu-recipes,False,<MB>``: the
+      recipe cache, the only on-disk cache of compiled graphs ``hpu_backend``
+      reads (Inductor's ``TORCHINDUCTOR_CACHE_DIR`` does nothing for it);
+      ``False``: keep what an earlier start wrote. Only with a configured
+      ``hpu_mm.warmup.compile_cache_dir``.
+    - ``FUSER_ENABLE_MULTI_THREADED_INVOCATIONS=1``: the graph compiler's
+      parallel compilation, which the official Gaudi plugin turns on.
+
+    The bridge reads both when ``habana_frameworks.torch`` initialises, which
+    in this plugin happens at device selection in every process; so they must
+    be in the environment before the engine and worker processes start (set
+    them where the config is checked, in the parent process: spawned children
+    inherit them)."""
+    out: dict[str, str] = {}
+    if cache_dir and RECIPE_CACHE_ENV not in environ:
+        path = os.path.join(
+            os.path.abspath(os.path.expanduser(cache_dir)), "hpu-recipes"
+        )
+        out[RECIPE_CACHE_ENV] = f"{path},False,{RECIPE_CACHE_MB}"
+    if MULTI_THREADED_FUSER_ENV not in environ:
+        out[MULTI_THREADED_FUSER_ENV] = "1"
+    return out

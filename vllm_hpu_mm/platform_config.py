@@ -41,6 +41,7 @@ def update_vllm_config(vllm_config: VllmConfig, device_type: str) -> None:
     _check_lazy_mode(plugin_config, vllm_config, device_type)  # 10. HPU lazy mode
     _set_worker_start_method(device_type)  # 11. HPU workers are spawned
     _enable_fused_ops(vllm_config, device_type)  # 12. Gaudi's fused norm, RoPE
+    _set_gaudi_compile_env(plugin_config, device_type)  # 13. recipe cache, fuser
     logger.info(
         "vllm-hpu-mm config: device=%s block_size=%s max_num_seqs=%s "
         "max_num_batched_tokens=%s chunked_prefill=%s prefix_caching=%s plugin=%s",
@@ -377,6 +378,23 @@ def _set_worker_start_method(device_type: str) -> None:
             "processes on exit; unset it to use spawn",
             MULTIPROC_METHOD_ENV,
         )
+
+
+def _set_gaudi_compile_env(plugin_config: Any, device_type: str) -> None:
+    """HPU: the recipe cache at ``hpu_mm.warmup.compile_cache_dir`` and the
+    graph compiler's parallel compilation (``device.gaudi_compile_env``; what
+    the operator set is kept). Here, in the process that checks the config,
+    because the bridge reads them when it initialises, which happens at device
+    selection in every process: the engine and worker processes started after
+    this inherit them."""
+    if device_type != "hpu":
+        return
+    from vllm_hpu_mm import device
+
+    added = device.gaudi_compile_env(os.environ, plugin_config.warmup.compile_cache_dir)
+    os.environ.update(added)
+    for key, value in added.items():
+        logger.info("HPU: %s=%s", key, value)
 
 
 def _enable_fused_ops(vllm_config: VllmConfig, device_type: str) -> None:

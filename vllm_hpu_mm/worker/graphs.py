@@ -311,14 +311,21 @@ def default_compile_cache_dir() -> str:
 
 
 def use_compile_cache(configured: str | None) -> str:
-    """Point torch.compile's on-disk caches (inductor's FX graph cache and
-    AOTAutograd's, both under ``TORCHINDUCTOR_CACHE_DIR``) at a persistent
-    directory, so a later start of the same model loads its graphs instead of
-    compiling them. A configured directory wins; else an existing
-    ``TORCHINDUCTOR_CACHE_DIR`` is kept; else the user's cache directory (torch's
-    own default is under the temporary directory). The cache keys on the graph,
-    its input shapes (the KV cache's among them) and torch's version, so a
-    changed model, bucket set or KV-cache size compiles afresh.
+    """Point Inductor's on-disk caches (its FX graph cache and AOTAutograd's,
+    both under ``TORCHINDUCTOR_CACHE_DIR``) at a persistent directory, so that
+    on the CPU and CUDA a later start of the same model loads its compiled
+    code instead of generating it again (Dynamo still traces every graph at
+    each start). A configured directory wins; else an existing
+    ``TORCHINDUCTOR_CACHE_DIR`` is kept; else the user's cache directory
+    (torch's own default is under the temporary directory). The cache keys on
+    the graph, its input shapes (the KV cache's among them) and torch's
+    version, so a changed model, bucket set or KV-cache size compiles afresh.
+
+    On Gaudi this directory does nothing: ``hpu_backend`` does not use
+    Inductor, and the only on-disk cache of compiled graphs is Habana's recipe
+    cache, ``PT_HPU_RECIPE_CACHE_CONFIG`` (which the platform points at
+    ``<compile_cache_dir>/hpu-recipes`` when it is unset:
+    ``device.gaudi_compile_env``); the log line says which cache applies.
 
     Torch writes its default into ``TORCHINDUCTOR_CACHE_DIR`` the first time it
     resolves the directory (vLLM may do so before the model loads), so a value
@@ -331,6 +338,16 @@ def use_compile_cache(configured: str | None) -> str:
     path = os.path.abspath(os.path.expanduser(path or default_compile_cache_dir()))
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    if dev.device_kind() == "hpu":
+        recipes = os.environ.get(dev.RECIPE_CACHE_ENV)
+        logger.info(
+            "Compile cache on Gaudi: %s (TORCHINDUCTOR_CACHE_DIR is not read by "
+            "hpu_backend)",
+            f"recipes in {dev.RECIPE_CACHE_ENV}={recipes}"
+            if recipes
+            else f"none: {dev.RECIPE_CACHE_ENV} is unset, so every start compiles "
+            "every graph (set hpu_mm.warmup.compile_cache_dir)",
+        )
     return path
 
 

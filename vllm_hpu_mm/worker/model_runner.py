@@ -53,6 +53,11 @@ from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
+from vllm_hpu_mm.worker.sampler_padding import (
+    counted_compiles,
+    sample_padded,
+    sampler_batch_sizes,
+)
 from vllm_hpu_mm.worker.sampling import PromptLogprobs, build_logits_processors
 from vllm_hpu_mm.worker.shapes import (
     ShapePolicy,
@@ -477,7 +482,15 @@ class HpuMMModelRunner:
             for row, gen in self.input_batch.generators.items()
             if partial[row]
         }
-        out = self.sampler(logits, self.input_batch.metadata)
+        # On the static path at the batch bucket the logits head ran at
+        # (``sampler_padding``); the padding rows' outputs are dropped.
+        with counted_compiles(self.graphs.counter if self.graphs else None):
+            out = sample_padded(
+                self.sampler,
+                logits,
+                self.input_batch.metadata,
+                sampler_batch_sizes(self.graphs, self.shapes.buckets),
+            )
         for row, gen_state in saved.items():
             self.input_batch.generators[row].set_state(gen_state)
         # The tokens stay on the device: each kept row gets a placeholder now,

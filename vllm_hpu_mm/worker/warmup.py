@@ -6,9 +6,19 @@ by its token rows, and ``token_shapes`` keeps one shape per token count); each
 runs the model body once (a step of
 padding rows only: they write the null block and read key 0, so the KV cache
 of real requests is never touched), and each batch bucket runs the logits head
-once. In graph mode that is when every graph is compiled; afterwards the
-compile counter's phase becomes "serving", and any compilation it counts is a
-shape warmup missed.
+once, and (on the static path, ``sampler_padding``) the sampler at that
+batch size in each sampling configuration. In graph mode that is when every
+graph is compiled; afterwards the compile counter's phase becomes "serving",
+and any compilation it counts is a shape warmup missed.
+
+On Gaudi the step shapes, logits sizes and sampler calls run in the bridge's
+compile-only mode (``device.compile_only_mode``): recipes are compiled, not
+executed, so nothing here may read a tensor's value back to the host (the
+padding steps are built from host arrays; the sampler's warmup metadata from
+Python values). The encoders' warmup runs outside it, executed: their inputs
+are processed images whose shapes the warmup reads from the processor
+(the official plugin keeps an opt-out of compile-only mode for such
+data-dependent multimodal paths).
 """
 
 from __future__ import annotations
@@ -21,10 +31,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
 from vllm_hpu_mm.bucketing.buckets import step_shapes, token_shapes
 from vllm_hpu_mm.worker.multimodal import warm_up_encoder
+from vllm_hpu_mm.worker.sampler_padding import (
+    counted_compiles,
+    sampler_batch_sizes,
+    warm_up_sampler,
+)
 from vllm_hpu_mm.worker.shapes import engine_limits
 
 if TYPE_CHECKING:
@@ -93,15 +109,26 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
     work += [StepShape(0, 0, t, n) for t, n in prefill]
     work += list(buckets.batch)
+    sampler_sizes = sampler_batch_sizes(graphs, buckets)
+    max_logprobs = int(runner.model_config.max_logprobs)
+    sampler_calls = 0
     start = time.perf_counter()
-    for item in tqdm(
-        work, desc="vllm-hpu-mm warmup", unit="shape", disable=not cfg.progress_bar
-    ):
-        if isinstance(item, StepShape):
-            _padding_only_step(runner, item)
-        else:
+    # Gaudi: graphs compiled, not run (a no-op elsewhere); nothing in this
+    # block reads a tensor's value back to the host.
+    with dev.compile_only_mode() as compile_only:
+        for item in tqdm(
+            work, desc="vllm-hpu-mm warmup", unit="shape", disable=not cfg.progress_bar
+        ):
+            if isinstance(item, StepShape):
+                _padding_only_step(runner, item)
+                continue
             hidden = torch.zeros(item, hidden_size, dtype=dtype, device=runner.device)
-            graphs.logits(hidden)
+            logits = graphs.logits(hidden)  # [item, V]
+            if item in sampler_sizes:
+                with counted_compiles(graphs.counter):
+                    sampler_calls += warm_up_sampler(
+                        runner.sampler, logits, max_logprobs
+                    )
     encoder_shapes = 0
     if runner.mm is not None:
         encoder_shapes = warm_up_encoder(runner, runner.vllm_config)
@@ -112,8 +139,8 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     metrics.WARMUP_SECONDS.set(seconds)
     logger.info(
         "Warmup finished in %.1f s: %d step shapes (%d decode + %d prefill, "
-        "%s decode, attention %s), %d logits sizes, %d encoder sizes; "
-        "%d compilations (%s)",
+        "%s decode, attention %s), %d logits sizes, %d sampler calls at %s, "
+        "%d encoder sizes; %d compilations (%s)%s",
         seconds,
         len(decode) + len(prefill),
         len(decode),
@@ -123,9 +150,14 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         if graphs.opaque_attention
         else "traced: every step shape",
         len(buckets.batch),
+        sampler_calls,
+        f"batch sizes {list(sampler_sizes)}" if sampler_sizes else "no padded size",
         encoder_shapes,
         graphs.compiles,
         f"{graphs.regions} decoder layers compiled regionally"
         if graphs.regions
         else "whole body",
+        f"; {dev.COMPILE_ONLY_SETTING}: compiled without running"
+        if compile_only
+        else "",
     )

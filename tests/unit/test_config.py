@@ -277,7 +277,7 @@ def test_unknown_key_suggests() -> None:
 def test_unknown_key_without_close_match_lists_known_keys() -> None:
     msg = error_of(zzz=1)
     assert "hpu_mm.zzz" in msg and "did you mean" not in msg
-    assert "graph_mode, graph_attention, bucketing, warmup" in msg
+    assert "graph_mode, execution, graph_attention, bucketing, warmup" in msg
 
 
 def test_misspelled_root_key() -> None:
@@ -470,7 +470,7 @@ def test_to_dict_is_plain() -> None:
 def test_docs_cover_every_key() -> None:
     doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     keys = list(describe_keys())
-    assert len(keys) == 19
+    assert len(keys) == 20
     for info in keys:
         assert f"`{info.key}`" in doc, info.key
     for info in describe_keys(ExplicitBuckets):

@@ -11,17 +11,17 @@ def compiled_with_buckets(
     tmp_path_factory: pytest.TempPathFactory,
     name: str,
     buckets_yaml: str,
-    graph_attention: str = "auto",
+    execution: str = "auto",
 ) -> dict[str, Any]:
     """``additional_config`` for graph mode over the explicit buckets
     ``buckets_yaml`` (written to a bucket file named ``name``), no progress bar;
-    ``graph_attention`` as ``hpu_mm.graph_attention`` (auto: opaque on the CPU)."""
+    ``execution`` as ``hpu_mm.execution`` (auto: dynamic on the CPU)."""
     path = tmp_path_factory.mktemp("buckets") / f"{name}.yaml"
     path.write_text(buckets_yaml)
     return {
         "hpu_mm": {
             "graph_mode": "compile",
-            "graph_attention": graph_attention,
+            "execution": execution,
             "bucketing": {"strategy": "explicit", "file": str(path)},
             "warmup": {"progress_bar": False},
         }
@@ -34,9 +34,11 @@ def image_engine_in_graph_mode(
     name: str,
     buckets_yaml: str,
     max_num_batched_tokens: int,
+    execution: str = "auto",
 ) -> Any:
     """A vision-language model in graph mode over ``buckets_yaml``, float32 (HF
-    parity), 4 sequences of up to 256 tokens, 2 images per prompt."""
+    parity), 4 sequences of up to 256 tokens, 2 images per prompt, on the
+    execution plan ``execution``."""
     from vllm import LLM
 
     return LLM(
@@ -47,5 +49,7 @@ def image_engine_in_graph_mode(
         max_num_batched_tokens=max_num_batched_tokens,
         limit_mm_per_prompt={"image": 2},
         seed=0,
-        additional_config=compiled_with_buckets(tmp_path_factory, name, buckets_yaml),
+        additional_config=compiled_with_buckets(
+            tmp_path_factory, name, buckets_yaml, execution
+        ),
     )

@@ -393,17 +393,23 @@ class HpuMMConfig(_Section):
     `torch.compile`, one compiled graph per bucket (the `hpu_backend` on Gaudi).
     `auto`: `eager` under `--enforce-eager`, else `compile`. Captured graphs
     (`graphs`: HPU or CUDA graphs) are not implemented and are refused."""
+    execution: Literal["auto", "static", "dynamic"] = "auto"
+    """The execution plan, decided once at start-up (`vllm_hpu_mm/plan.py`; the log
+    names it). `static`: Gaudi's path on any device: attention traced into one static
+    graph per bucketed step shape, tiled prefill, flat paged decode, mixed steps as a
+    decode pass and a prefill pass, Mllama's flat cross-attention layout, one encoder
+    graph per image bucket; no dense decode cache, no prepacked linear weights; with
+    `graph_mode: eager` the same layouts run without graphs. `dynamic`: the fast path
+    off Gaudi: attention as vLLM's opaque op between compiled pieces (on the CPU and
+    CUDA the token count is a symbolic size: two graphs per region), and, on the CPU
+    and CUDA, prefill request by request, decode over the real rows and blocks (on the
+    CPU from the dense decode cache), the batched decode table, prepacked bfloat16
+    linear weights on the CPU. `auto`: `static` on Gaudi, `dynamic` elsewhere."""
     graph_attention: Literal["auto", "traced", "opaque"] = "auto"
-    """How attention enters the compiled graphs in graph mode. `traced`: traced into
-    every graph (as the official Gaudi plugin does, so the graph compiler sees
-    FusedSDPA); a graph is then keyed by the whole step shape (decode rows and blocks,
-    prefill tokens and blocks) and warmup compiles every step shape. `opaque`: vLLM's
-    opaque attention op runs between the compiled pieces; a graph is keyed by its
-    token rows only, so warmup compiles one graph per token count on Gaudi, and on the
-    CPU and CUDA, where the count is a symbolic size, two per compiled region (one row,
-    every larger count): for the benchmark Llama 4 compilations instead of 67.
-    `auto`: `traced` on Gaudi, `opaque` on the CPU and CUDA. In eager mode attention
-    is always called directly."""
+    """Deprecated: use `execution`. `traced` is `execution: static`, `opaque` is
+    `execution: dynamic`, `auto` follows `execution`. Given with an `execution` it
+    contradicts (`traced` with `dynamic`, `opaque` with `static`), start-up is
+    refused."""
     bucketing: BucketingConfig = Field(default_factory=BucketingConfig)
     """Shape bucketing."""
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
@@ -424,6 +430,25 @@ class HpuMMConfig(_Section):
                 "graph per warmed-up bucket) is the graph mode that runs"
             )
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _one_execution_plan(self, info: pydantic.ValidationInfo) -> Self:
+        """``graph_attention`` (deprecated) may restate ``execution``, not
+        contradict it."""
+        sources = info.context or _PYTHON
+        implied = {"traced": "static", "opaque": "dynamic"}.get(self.graph_attention)
+        if implied is None:
+            return self
+        key = f"{self._KEY}.graph_attention"
+        if self.execution not in ("auto", implied):
+            problem = (
+                f"contradicts {self._KEY}.execution = {self.execution!r}: "
+                f"graph_attention {self.graph_attention!r} is execution {implied!r}. "
+                "graph_attention is deprecated; set only execution "
+                "('auto', 'static' or 'dynamic')"
+            )
+            raise sources.error(key, self.graph_attention, problem)
+        return self  # the plan's start-up line names the deprecated setting
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> HpuMMConfig:

@@ -329,14 +329,6 @@ def compile_backend() -> str:
     return "inductor"
 
 
-def symbolic_token_graphs() -> bool:
-    """Whether graphs keyed by the token count alone may take it as a symbolic
-    size (one graph for every count): yes for inductor on the CPU and CUDA; no on
-    Gaudi, whose graph compiler is driven with static shapes (the official
-    plugin warms every bucket as its own graph)."""
-    return device_kind() != "hpu"
-
-
 def dist_backend() -> str:
     return {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}[device_kind()]
 

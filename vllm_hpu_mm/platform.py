@@ -88,20 +88,14 @@ class _HpuMMPlatformBase(Platform):
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        # hpu_mm.graph_attention: traced into the compiled graph (as on Gaudi; the
-        # graph key is then the whole step shape), or vLLM's opaque attention op
-        # between compiled pieces (the graph key is the token count). Read when the
-        # attention layers are built, under the engine's current vLLM config.
-        from vllm.config import get_current_vllm_config
+        # The execution plan's (vllm_hpu_mm.plan): traced into the compiled graph
+        # (static; the graph key is then the whole step shape), or vLLM's opaque
+        # attention op between compiled pieces (dynamic; the key is the token
+        # count). Read when the attention layers are built, under the engine's
+        # current vLLM config.
+        from vllm_hpu_mm.plan import current_plan
 
-        from vllm_hpu_mm.config import load_plugin_config
-        from vllm_hpu_mm.worker.shapes import opaque_attention
-
-        vllm_config = get_current_vllm_config()
-        plugin_config = load_plugin_config(vllm_config)
-        model_config = getattr(vllm_config, "model_config", None)
-        eager = bool(getattr(model_config, "enforce_eager", False))
-        return opaque_attention(plugin_config, device.device_kind(), eager)
+        return current_plan().opaque_attention
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:

@@ -1,8 +1,9 @@
 """Graph mode on the CPU: warmup prepares every step shape, serving compiles nothing.
 
 One engine in torch.compile mode with a small explicit bucket set. Attention is
-traced into the compiled layers (``graph_attention: traced``, Gaudi's default;
-``test_graph_mode_opaque.py`` has the CPU's), so the graph key is the whole step shape
+traced into the compiled layers (``execution: static``, Gaudi's path: tiled
+prefill, flat paged decode, two-pass mixed steps; ``test_graph_mode_opaque.py``
+has the CPU's ``dynamic``), so the graph key is the whole step shape
 (decode rows and blocks, prefill tokens and blocks). The compile count is read
 from the worker's real Prometheus counter (incremented inside the compiler
 backend), through prometheus_client's multiprocess files.
@@ -33,9 +34,9 @@ def write_buckets(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def graph_mode_llm(model_dir: str, buckets_file: str, graph_attention: str) -> Any:
-    """The tiny Llama in graph mode over ``buckets_file``, attention
-    ``traced`` or ``opaque``; small limits so steps are chunked and mixed."""
+def graph_mode_llm(model_dir: str, buckets_file: str, execution: str) -> Any:
+    """The tiny Llama in graph mode over ``buckets_file``, execution plan
+    ``static`` or ``dynamic``; small limits so steps are chunked and mixed."""
     from vllm import LLM
 
     return LLM(
@@ -49,7 +50,7 @@ def graph_mode_llm(model_dir: str, buckets_file: str, graph_attention: str) -> A
         additional_config={
             "hpu_mm": {
                 "graph_mode": "compile",
-                "graph_attention": graph_attention,
+                "execution": execution,
                 "bucketing": {"strategy": "explicit", "file": buckets_file},
                 "warmup": {"progress_bar": False},
             }
@@ -61,8 +62,8 @@ def graph_mode_llm(model_dir: str, buckets_file: str, graph_attention: str) -> A
 def llm(
     tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[object]:
-    # The Gaudi form (the CPU's default is opaque: test_graph_mode_opaque.py).
-    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "traced")
+    # Gaudi's path (the CPU's default is dynamic: test_graph_mode_opaque.py).
+    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "static")
     yield engine
     del engine
 
@@ -74,10 +75,11 @@ def test_warmup_compiled_every_step_shape(llm: object) -> None:
         max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16
     )
     buckets = explicit(limits, [16, 64], [1, 4], [4, 16, 32])
-    decode, prefill = step_shapes(buckets, limits, "batched")  # the CPU's form
-    # decode rows {1, 4} x table width {4, 16} (16 blocks hold 256 tokens);
-    # prefill tokens {16, 64} x tile blocks {4, 16, 32}.
-    assert decode == [(1, 4), (1, 16), (4, 4), (4, 16)]
+    decode, prefill = step_shapes(buckets, limits, "flat")  # Gaudi's form
+    # decode rows {1, 4} x flat block-list length {4, 16, 32} (one row holds
+    # at most 16 blocks: 256 tokens); prefill tokens {16, 64} x tile blocks
+    # {4, 16, 32}.
+    assert decode == [(1, 4), (1, 16), (4, 4), (4, 16), (4, 32)]
     assert prefill == [(t, b) for t in (16, 64) for b in (4, 16, 32)]
     # Regional compilation: per step shape one graph shared by every decoder
     # layer, plus one logits graph per batch size; and the sampler's warmup at

@@ -44,7 +44,7 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
         tmp_path_factory,
         "llava",
         "prefill_tokens: [8, 32]\ndecode_batch: [1, 4]\nblocks: [4, 16, 32]\n",
-        graph_attention="traced",  # the Gaudi form: a graph per step shape
+        execution="static",  # Gaudi's path: a graph per step shape
     )
     engine = LLM(
         model=model_dir,
@@ -74,7 +74,7 @@ def test_images_serve_without_compiling_and_match_hf(llm: Any, model_dir: str) -
 
     limits = Limits(4, 32, 256, 16)
     decode, prefill = step_shapes(
-        explicit(limits, [8, 32], [1, 4], [4, 16, 32]), limits, "batched"
+        explicit(limits, [8, 32], [1, 4], [4, 16, 32]), limits, "flat"
     )
     warmed = _counter("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"})
     # One graph per step shape for all decoder layers, one per logits size, the

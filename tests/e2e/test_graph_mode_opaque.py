@@ -1,4 +1,4 @@
-"""Graph mode with attention as vLLM's opaque op (``graph_attention: opaque``,
+"""Graph mode with attention as vLLM's opaque op (``execution: dynamic``,
 the CPU's default): a graph is keyed by its token rows only, and on the CPU the
 token count is symbolic, so each region compiles twice (one row, then every
 larger count); serving then compiles nothing and matches HF.
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 def llm(
     tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[object]:
-    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "opaque")
+    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "dynamic")
     yield engine
     del engine
 

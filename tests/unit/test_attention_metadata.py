@@ -22,6 +22,8 @@ from vllm_hpu_mm.attention.metadata import (
     split_metadata,
     token_row_of_real_tokens,
 )
+from vllm_hpu_mm.config import HpuMMConfig
+from vllm_hpu_mm.plan import build_plan
 
 CPU = torch.device("cpu")
 FIELDS = ["num_decodes", "decode_blocks", "num_prefill_tokens", "prefill_blocks"]
@@ -475,8 +477,11 @@ def test_metadata_drives_the_backend_like_the_reference(
     impl = HpuMMAttentionImpl(
         num_heads, head, scale, num_kv_heads, sliding_window=window
     )
-    assert impl.trim_eager  # the CPU's default
-    impl.trim_eager = trim
+    assert impl.plan.host_attention  # the CPU's default plan (dynamic)
+    # static: Gaudi's layouts only, padding included; dynamic: the real rows
+    impl.plan = build_plan(
+        HpuMMConfig(execution="dynamic" if trim else "static"), "cpu", False
+    )
     assert (md.real_decodes, md.real_decode_blocks) == (
         real.num_decodes,
         real.decode_blocks,
@@ -522,9 +527,10 @@ def test_metadata_drives_the_backend_like_the_reference(
 def test_traced_decode_runs_the_whole_bucket(
     form: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under Dynamo (attention traced into a graph) the decode reads the
-    bucket's rows and blocks, never the step's real counts (host ints a graph
-    would guard on); run eagerly it reads the real ones, same real rows."""
+    """The static plan (attention traced into a graph) reads the bucket's
+    rows and blocks, never the step's real counts (host ints a graph would
+    guard on); the dynamic plan (eager, off Gaudi) reads the real ones, same
+    real rows."""
     from vllm_hpu_mm.attention import backend
 
     seen: list[tuple[int, int]] = []  # (rows, blocks) each kernel call got
@@ -556,7 +562,9 @@ def test_traced_decode_runs_the_whole_bucket(
     def run(c: torch.Tensor, m: object) -> torch.Tensor:
         return impl.forward(None, query, key, value, c, m, torch.zeros_like(query))  # type: ignore[arg-type]
 
+    assert impl.plan.host_attention  # the CPU's default plan: dynamic
     eager = run(cache.clone(), md)
+    impl.plan = build_plan(HpuMMConfig(execution="static"), "cpu", False)
     traced = torch.compile(run, backend="eager", fullgraph=True)(cache.clone(), md)
     real_blocks = 3 if form == "flat" else 2  # A's 2 + B's 1, or A's 2
     assert seen == [(2, real_blocks), (4, 8)]

@@ -274,7 +274,7 @@ def test_unknown_key_suggests() -> None:
 def test_unknown_key_without_close_match_lists_known_keys() -> None:
     msg = error_of(zzz=1)
     assert "hpu_mm.zzz" in msg and "did you mean" not in msg
-    assert "graph_mode, graph_attention, bucketing, warmup" in msg
+    assert "graph_mode, execution, graph_attention, bucketing, warmup" in msg
 
 
 def test_misspelled_root_key() -> None:

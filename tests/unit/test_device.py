@@ -91,47 +91,41 @@ def test_auto_chooses_hpu_when_habana_imports(habana: FakeHabana) -> None:
     assert device.device_kind() == "hpu"
 
 
-def test_gaudi_graphs_keep_static_token_counts(
+class _VllmConfig:
+    """What ``plan_of`` reads of a VllmConfig: no hpu_mm settings, no
+    --enforce-eager."""
+
+    additional_config = None
+    model_config = None
+
+
+def test_the_plan_of_a_gaudi_process_is_static(
     habana: FakeHabana, cuda_available: None
 ) -> None:
-    """Gaudi's graph compiler is driven with static shapes, one graph per bucket."""
+    """``execution: auto`` on the device this process selected: Gaudi's
+    static path (a graph per bucket, tiles, flat decode, two-pass steps)."""
+    from vllm_hpu_mm.plan import plan_of
+
     assert device.device_kind() == "hpu"
-    assert device.symbolic_token_graphs() is False
+    plan = plan_of(_VllmConfig())
+    assert (plan.name, plan.device_kind) == ("static", "hpu")
+    assert plan.split_mixed_steps and not plan.symbolic_tokens
 
 
-def _split_mixed(mode: str) -> bool:
-    from vllm_hpu_mm.worker.graphs import GraphRunner
+def test_the_plan_off_gaudi_is_dynamic(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_hpu_mm.plan import plan_of
 
-    return GraphRunner(torch.nn.Linear(2, 2), mode, "eager").split_mixed
-
-
-def test_mixed_steps_split_where_a_pass_is_a_static_graph_key(
-    monkeypatch: pytest.MonkeyPatch, habana: FakeHabana
-) -> None:
-    """Gaudi: a mixed step is a decode pass and a prefill pass, eager (lazy
-    mode compiles every shape too) and compiled alike."""
-    assert device.device_kind() == "hpu"
-    assert _split_mixed("eager") is True
-    assert _split_mixed("compile") is True
-
-
-def test_mixed_steps_are_one_pass_off_gaudi_without_static_graphs() -> None:
-    """The CPU: eager mode has no graphs, so one pass; a model without vLLM
-    attention layers compiles its attention in (traced), so two passes."""
     assert device.device_kind() == "cpu"
-    assert _split_mixed("eager") is False
-    assert _split_mixed("compile") is True
-
-
-def test_cuda_and_cpu_graphs_take_a_symbolic_token_count(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert device.device_kind() == "cpu"
-    assert device.symbolic_token_graphs() is True
+    assert plan_of(_VllmConfig()).name == "dynamic"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     select_device.cache_clear()
     assert device.device_kind() == "cuda"
-    assert device.symbolic_token_graphs() is True
+    plan = plan_of(_VllmConfig())
+    assert (plan.name, plan.symbolic_tokens, plan.dense_decode_cache) == (
+        "dynamic",
+        True,
+        False,
+    )
 
 
 def test_auto_prefers_hpu_over_cuda(habana: FakeHabana, cuda_available: None) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hpu_mm.config import HpuMMConfig
+from vllm_hpu_mm.plan import build_plan
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.multimodal import EncoderRunner, encoder_input, model_dtype
 
@@ -38,7 +40,8 @@ def test_encoder_input_casts_floating_tensors_only() -> None:
 def test_float32_request_reuses_the_graph_warmup_compiled_in_bf16() -> None:
     tower = TinyTower().to(torch.bfloat16).eval()
     assert model_dtype(tower) == torch.bfloat16
-    graphs = GraphRunner(tower, "compile", "eager")
+    static = HpuMMConfig(execution="static", graph_mode="compile")
+    graphs = GraphRunner(tower, build_plan(static, "cpu", False), "eager")
     encoder = EncoderRunner(tower, graphs, max_items=2)
     sizes = torch.tensor([[32, 32], [32, 32]])
     with torch.inference_mode():

@@ -210,16 +210,19 @@ def test_runner_merges_the_uncached_rows_of_a_cut_image(computed: int) -> None:
     first step after ``computed`` cached tokens, next to a decode request.
     Each token row holds the text embedding or exactly the encoder row its
     position takes."""
+    from vllm_hpu_mm.config import HpuMMConfig
     from vllm_hpu_mm.multimodal.placeholders import request_chunks
+    from vllm_hpu_mm.plan import build_plan
     from vllm_hpu_mm.worker.graphs import GraphRunner
     from vllm_hpu_mm.worker.inputs import build_step, step_passes
     from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 
     model = _TinyMM()
+    eager = HpuMMConfig(graph_mode="eager")
     mm = MultimodalInputs(
         model,
         torch.device("cpu"),
-        GraphRunner(model, "eager", "inductor"),
+        GraphRunner(model, build_plan(eager, "cpu", False), "inductor"),
         1,
         hidden=HIDDEN,
         store_rows=40,

@@ -150,14 +150,23 @@ def test_logits_processors_see_the_real_rows_only() -> None:
 def test_padded_size_and_static_path() -> None:
     assert [padded_size(n, BUCKETS) for n in (1, 2, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, 9]
     assert padded_size(3, ()) == 3
+    from vllm_hpu_mm.config import HpuMMConfig
+    from vllm_hpu_mm.plan import build_plan
+
     buckets = SimpleNamespace(batch=(4, 1))
-    traced = SimpleNamespace(mode="compile", symbolic_tokens=False)
-    assert sampler_batch_sizes(traced, buckets) == (1, 4)
-    symbolic = SimpleNamespace(mode="compile", symbolic_tokens=True)
-    eager = SimpleNamespace(mode="eager", symbolic_tokens=False)
+
+    def plan(kind: str, **settings: str) -> object:
+        return build_plan(HpuMMConfig.model_validate(settings), kind, False)
+
+    static = plan("cpu", execution="static", graph_mode="compile")
+    assert sampler_batch_sizes(static, buckets) == (1, 4)
+    gaudi_dynamic = plan("hpu", execution="dynamic", graph_mode="compile")
+    assert sampler_batch_sizes(gaudi_dynamic, buckets) == (1, 4)  # static counts
+    symbolic = plan("cpu", execution="dynamic", graph_mode="compile")
+    eager = plan("cpu", execution="static", graph_mode="eager")
     assert sampler_batch_sizes(symbolic, buckets) == ()
     assert sampler_batch_sizes(eager, buckets) == ()
-    assert sampler_batch_sizes(traced, None) == ()
+    assert sampler_batch_sizes(static, None) == ()
 
 
 def test_sampler_warmup_reads_nothing_back_in_compile_only_mode() -> None:

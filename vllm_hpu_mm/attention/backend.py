@@ -6,10 +6,13 @@ context). The forward writes this step's K/V into the paged cache, then runs the
 decode rows (flat or batched form) and the prefill rows (tiles) through the
 kernels of ``hpu_kernels``.
 
-The platform's ``opaque_attention_op`` is False, so vLLM's ``Attention.forward``
-calls ``unified_attention_with_output`` directly and Dynamo traces this forward
-into the compiled body: its static shapes (and the metadata's ints) are the
-graph key.
+Which layout it reads is the execution plan's (``vllm_hpu_mm.plan``). Static
+(Gaudi's path): the platform's ``opaque_attention_op`` is False, so vLLM's
+``Attention.forward`` calls ``unified_attention_with_output`` directly and
+Dynamo traces this forward into the compiled body: its static shapes (and the
+metadata's ints) are the graph key. Dynamic: it runs as vLLM's opaque op
+between the compiled pieces (or in eager mode) and, off Gaudi, reads the host
+extras of the metadata (real rows and blocks, prefill requests, dense cache).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from vllm_hpu_mm.attention.metadata import (
     exact_shape,
     spans_from_doc_ranges,
 )
+from vllm_hpu_mm.plan import ExecutionPlan, current_plan
 
 
 class HpuMMAttentionBackend(AttentionBackend):
@@ -137,10 +141,13 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         self.attn_type = attn_type
         # The SDPA kernel of the device: FusedSDPA on Gaudi, PyTorch's elsewhere.
         self.sdpa: SdpaFn = device.sdpa_kernel()
-        # Eager attention (opaque op, eager mode) reads the step's real decode
-        # rows and blocks, not its bucket's: shapes then change every step,
-        # free on the CPU and CUDA, a recompilation on Gaudi (lazy mode).
-        self.trim_eager = device.device_kind() != "hpu"
+        # The execution plan (vllm_hpu_mm.plan), read under the vLLM config the
+        # layers are built with. ``host_attention`` (dynamic, off Gaudi): this
+        # forward never runs under a graph and reads the step's real decode
+        # rows and blocks and its prefill requests, not its bucket's (shapes
+        # that change every step: free on the CPU and CUDA, a graph each on
+        # Gaudi). Otherwise (static) it reads only what a graph may see.
+        self.plan: ExecutionPlan = current_plan()
 
     def forward(
         self,
@@ -163,9 +170,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
             self._decode_into(output, query, key, value, kv_cache, md)
-        if n_pre and self._per_request(md):
-            reqs = md.prefill_requests
-            assert reqs is not None
+        reqs = md.prefill_requests if self.plan.per_request_prefill else None
+        if n_pre and reqs is not None:
             rows = slice(n_dec, n_dec + n_pre)
             output[rows] = request_prefill_attention(
                 query[rows],
@@ -194,16 +200,6 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             )
         return output
 
-    def _per_request(self, md: HpuMMAttentionMetadata) -> bool:
-        """Prefill request by request: outside any graph (is_compiling first:
-        under Dynamo the host-side lengths are never read), off Gaudi, where
-        the runner described the requests."""
-        return (
-            not torch.compiler.is_compiling()
-            and self.trim_eager
-            and md.prefill_requests is not None
-        )
-
     def _decode_into(
         self,
         output: torch.Tensor,
@@ -213,19 +209,18 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         kv_cache: torch.Tensor,
         md: HpuMMAttentionMetadata,
     ) -> None:
-        """Decode rows ``[0, num_decodes)`` of ``output``. Run eagerly (not
-        under Dynamo) on the CPU or CUDA, only the real rows and blocks are
-        computed: the bucket's padding blocks (a batched table of 32 blocks
-        for requests of at most 20, say) cost as much as real ones, and
+        """Decode rows ``[0, num_decodes)`` of ``output``. Where the plan's
+        attention runs on the host (``host_attention``), only the real rows
+        and blocks are computed: the bucket's padding blocks (a batched table
+        of 32 blocks for requests of at most 20, say) cost as much as real ones, and
         padding rows get zeros; with a dense decode cache (``md.dense``) the
         rows read their slots of it instead of gathering paged blocks."""
         n_dec = md.num_decodes
         rows, blocks = n_dec, None
-        # is_compiling first: under Dynamo the real counts are never read (a
-        # read int is a guard: a graph per step's counts).
+        # Never under a graph (there a read int would be a guard: a graph per
+        # step's counts); the plan guarantees it.
         if (
-            not torch.compiler.is_compiling()
-            and self.trim_eager
+            self.plan.host_attention
             and md.real_decodes is not None
             and md.real_decode_blocks is not None
         ):

@@ -237,7 +237,8 @@ def plan_buckets_detailed(
     decode_form: the decode attention the graphs are counted for, with the
     same default as ``buckets.step_shapes`` and ``count_graphs``: ``flat``,
     Gaudi's, where attention is traced into the graphs and every step shape is
-    a graph; ``batched`` is the CPU and CUDA form (``worker.shapes.decode_form_for``).
+    a graph; ``batched`` is the dynamic plan's form off Gaudi
+    (``vllm_hpu_mm.plan``).
     """
     if not samples:
         raise ValueError("plan_buckets needs at least one sampled step")

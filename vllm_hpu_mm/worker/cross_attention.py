@@ -39,7 +39,6 @@ import torch
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
 from hpu_kernels.cross_attention import CrossRequest
-from vllm_hpu_mm import device as device_mod
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
@@ -260,11 +259,11 @@ class CrossAttentionInputs:
         # CUDA), the encoder's takes a symbolic image count: a step's images
         # are encoded as they are, not padded to the next bucket (3 -> 4,
         # 5 -> 8), and warmup compiles two graphs (one image; any more).
-        self.symbolic_items = graphs.symbolic_tokens
-        # Off Gaudi the prefill rows attend request by request, to their own
-        # images' rows only; Gaudi keeps the static flat layout (a request's
-        # key count is a shape: a graph each).
-        self.per_request = device_mod.device_kind() != "hpu"
+        self.symbolic_items = graphs.plan.symbolic_tokens
+        # The dynamic plan off Gaudi: the prefill rows attend request by
+        # request, to their own images' rows only; the static plan keeps the
+        # flat layout (a request's key count is a shape: a graph each).
+        self.per_request = graphs.plan.per_request_cross
         if graphs.mode != "compile":
             self.encoder_states = vision.new_states(most, device, dtype)
         else:

@@ -1,15 +1,16 @@
 """Graph mode: the model compiled per step shape, region by region.
 
-Attention is traced into the compiled code (``hpu_mm.graph_attention`` traced,
-the default on Gaudi), so a graph is keyed by the whole step shape: token rows,
+Which of the two the runner does is the execution plan's (``vllm_hpu_mm.plan``).
+Attention is traced into the compiled code (``execution: static``, the default
+on Gaudi), so a graph is keyed by the whole step shape: token rows,
 decode rows and blocks, prefill blocks (see
 ``vllm_hpu_mm.bucketing.buckets.step_shapes``); or it runs as vLLM's opaque
-attention op between compiled pieces (opaque, the default elsewhere), so a graph
+attention op between compiled pieces (``dynamic``, the default elsewhere), so a graph
 is keyed by its token rows only. A mixed step runs as a decode
 pass and a prefill pass (``worker.inputs.step_passes``), so the two parts' keys
 add up instead of multiplying; where the token count is symbolic (opaque
 attention off Gaudi) or nothing is compiled (eager off Gaudi), as one pass,
-which reads the weights once (``GraphRunner.split_mixed``).
+which reads the weights once (``ExecutionPlan.split_mixed_steps``).
 
 Regional compilation (as the official Gaudi plugin does): each decoder layer
 (every child of a ``ModuleList`` holding vLLM attention layers) runs through one
@@ -41,6 +42,7 @@ from vllm.model_executor.layers.attention.attention import Attention
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.plan import ExecutionPlan
 from vllm_hpu_mm.worker.inputs import step_passes
 
 logger = logging.getLogger("vllm.hpu_mm.graphs")
@@ -146,6 +148,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def has_attention(model: torch.nn.Module) -> bool:
+    """Whether the model holds vLLM attention layers."""
+    return any(isinstance(m, Attention) for m in model.modules())
+
+
 def attention_is_opaque(model: torch.nn.Module) -> bool:
     """Whether the model's attention layers call vLLM's opaque attention op (the
     platform's ``opaque_attention_op``) rather than the backend directly."""
@@ -168,36 +175,29 @@ class GraphRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        mode: str,
+        plan: ExecutionPlan,
         backend: str,
         regional: bool = True,
         compile_cache_dir: str | None = None,
     ) -> None:
         self.model = model
-        self.mode = mode
+        self.plan = plan
+        self.mode = mode = plan.graph_mode
         self.counter = CompileCounter(backend)
         self.regions = 0
         self.cache_dir: str | None = None
-        # Attention as vLLM's opaque op (hpu_mm.graph_attention): graphs are then
-        # keyed by their token rows only, not by the attention metadata's shapes.
-        self.opaque_attention = attention_is_opaque(model)
-        self.symbolic_tokens = (
-            mode == "compile" and self.opaque_attention and dev.symbolic_token_graphs()
-        )
+        opaque = attention_is_opaque(model)
+        if has_attention(model) and plan.opaque_attention != opaque:
+            raise RuntimeError(
+                f"the model's attention layers are "
+                f"{'' if opaque else 'not '}vLLM's opaque op, "
+                f"but the execution plan ({plan.name}, graph mode {mode}) says "
+                f"opaque_attention={plan.opaque_attention}: the model was built "
+                "under another vLLM config than the runner's"
+            )
         # torch.compile's ``dynamic``: None lets a second token count recompile
         # the region with the count symbolic; False keeps every count static.
-        self.dynamic: bool | None = None if self.symbolic_tokens else False
-        # Attention outside any compiled graph (eager mode, or opaque
-        # attention) and off Gaudi: it may read host-side lengths (per-request
-        # prefill, the dense decode cache) and run unbucketed shapes.
-        self.eager_attention = dev.symbolic_token_graphs() and (
-            mode != "compile" or self.opaque_attention
-        )
-        # A mixed step as two passes only where a pass's shape is a graph key:
-        # traced attention, or static token counts (Gaudi). Otherwise one pass
-        # over all rows is the same graph (or no graph) and reads the weights
-        # once.
-        self.split_mixed = not self.eager_attention
+        self.dynamic: bool | None = None if plan.symbolic_tokens else False
         self._body: Callable[..., torch.Tensor] = self._run_body
         self._logits: Callable[[torch.Tensor], torch.Tensor] = self._run_logits
         if mode == "compile":
@@ -218,12 +218,10 @@ class GraphRunner:
                 self._run_logits, backend=self.counter, dynamic=self.dynamic
             )
         logger.info(
-            "vllm-hpu-mm graph mode: %s (backend %s, %s, attention %s%s%s)",
+            "vllm-hpu-mm graph mode: %s (backend %s, %s%s)",
             mode,
             backend,
             f"{self.regions} compiled decoder layers" if self.regions else "whole body",
-            "opaque" if self.opaque_attention else "traced",
-            ", symbolic token count" if self.symbolic_tokens else "",
             f", compile cache {self.cache_dir}" if self.cache_dir else "",
         )
 
@@ -260,13 +258,13 @@ class GraphRunner:
         merge: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The body over a step's token rows, in one pass, or (a mixed step
-        where ``split_mixed``) one pass per part, decode rows then prefill
-        rows, each under its own forward context.
+        where the plan's ``split_mixed_steps``) one pass per part, decode rows
+        then prefill rows, each under its own forward context.
         Multimodal models: ``merge(input_ids, mm_maps)`` turns each pass's
         token ids into its input embeddings, reading the maps of the pass's
         metadata. Returns the hidden states of every token row, in row order."""
         outs = []
-        for p in step_passes(attn_metadata, split=self.split_mixed):
+        for p in step_passes(attn_metadata, split=self.plan.split_mixed_steps):
             ids = input_ids[p.start : p.stop]
             with set_forward_context(
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start

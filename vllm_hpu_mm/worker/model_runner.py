@@ -41,6 +41,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.multimodal.placeholders import request_chunks
+from vllm_hpu_mm.plan import ExecutionPlan, plan_of
 from vllm_hpu_mm.platform_config import is_mm_prefix_lm
 from vllm_hpu_mm.worker import cpu_linear
 from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
@@ -111,10 +112,15 @@ class HpuMMModelRunner:
         # (``async_output``); read by the next step's inputs on the device.
         self._last_tokens: PendingTokens | None = None
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        # The execution plan (static: Gaudi's path; dynamic: the fast path off
+        # Gaudi), decided here once; every part below reads it.
+        self.plan: ExecutionPlan = plan_of(vllm_config)
+        logger.info(self.plan.describe())
         bucketing = plugin_config.bucketing
         self.shapes = ShapePolicy(
             bucket_set(engine_limits(vllm_config), bucketing),
             bucketing.fallback_max_pad_ratio,
+            self.plan.decode_form,
             recorder=step_recorder(bucketing.record_steps),
         )
         self.model: torch.nn.Module | None = None
@@ -144,7 +150,7 @@ class HpuMMModelRunner:
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
         prepack = self.plugin_config.memory.cpu_prepacked_linear
-        if prepack and dev.device_kind() == "cpu" and cpu_linear.supported():
+        if prepack and self.plan.prepack_linear and cpu_linear.supported():
             packed = cpu_linear.pack_linear_weights(self.model)
             if packed:
                 logger.info(
@@ -155,7 +161,7 @@ class HpuMMModelRunner:
                 )
         self.graphs = GraphRunner(
             self.model,
-            self._graph_mode(),
+            self.plan,
             dev.compile_backend(),
             compile_cache_dir=self.plugin_config.warmup.compile_cache_dir,
         )
@@ -253,12 +259,6 @@ class HpuMMModelRunner:
             explicit,
         )
 
-    def _graph_mode(self) -> str:
-        mode = self.plugin_config.graph_mode
-        if mode == "auto":
-            return "eager" if self.model_config.enforce_eager else "compile"
-        return str(mode)  # 'graphs' is refused when the config is validated
-
     def warmup(self) -> None:
         assert self.graphs is not None
         warm_up(self)
@@ -284,19 +284,12 @@ class HpuMMModelRunner:
         )
         self.decode_cache = self._build_decode_cache(paged)
 
-    @property
-    def eager_attention(self) -> bool:
-        """``GraphRunner.eager_attention`` (False before ``load_model``)."""
-        return self.graphs is not None and self.graphs.eager_attention
-
     def _build_decode_cache(self, paged: int) -> DecodeCache | None:
-        """The dense decode cache, where attention runs outside any graph on
-        the CPU and it fits ``memory.decode_cache_fraction`` of the KV cache's
-        ``paged`` bytes."""
+        """The dense decode cache, where the plan allows it (attention outside
+        any graph, on the CPU) and it fits ``memory.decode_cache_fraction`` of
+        the KV cache's ``paged`` bytes."""
         fraction = self.plugin_config.memory.decode_cache_fraction
-        # The CPU only: on an accelerator the KV cache was sized to fill the
-        # device memory left, so an extra copy of it would not fit.
-        if not (fraction > 0 and self.eager_attention and dev.device_kind() == "cpu"):
+        if not (fraction > 0 and self.plan.dense_decode_cache):
             return None
         if not self.kv_caches:
             return None
@@ -360,7 +353,7 @@ class HpuMMModelRunner:
             self.buffers,
             self.shapes.decode_form,
             bidirectional_images=self.bidirectional_images,
-            per_request_prefill=self.eager_attention,
+            per_request_prefill=self.plan.per_request_prefill,
         )
         if self.decode_cache is not None:
             n_dec = batch.attn_metadata.real_decodes or 0
@@ -489,7 +482,7 @@ class HpuMMModelRunner:
                 self.sampler,
                 logits,
                 self.input_batch.metadata,
-                sampler_batch_sizes(self.graphs, self.shapes.buckets),
+                sampler_batch_sizes(self.plan, self.shapes.buckets),
             )
         for row, gen_state in saved.items():
             self.input_batch.generators[row].set_state(gen_state)

@@ -56,15 +56,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.hpu_mm.sampler")
 
 
-def sampler_batch_sizes(graphs: Any, buckets: Any) -> tuple[int, ...]:
-    """The batch sizes the sampler is padded to: the batch buckets on the
-    static path (graph mode with every graph at a fixed shape: traced
-    attention, or any attention on Gaudi), where the logits head runs at them
-    too; empty elsewhere (eager mode, or token counts as a symbolic size),
-    where the sampler runs at the real batch size."""
-    if graphs is None or buckets is None:
-        return ()
-    if graphs.mode != "compile" or graphs.symbolic_tokens:
+def sampler_batch_sizes(plan: Any, buckets: Any) -> tuple[int, ...]:
+    """The batch sizes the sampler is padded to: the batch buckets where the
+    execution plan pads the sampler (``ExecutionPlan.padded_sampler``: graph
+    mode with every graph at a fixed shape), where the logits head runs at
+    them too; empty elsewhere, where the sampler runs at the real batch size."""
+    if buckets is None or not plan.padded_sampler:
         return ()
     return tuple(sorted(buckets.batch))
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from vllm.config import VllmConfig
 
-from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import DecodeForm, StepShape
 from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, from_config
@@ -42,26 +41,6 @@ def step_recorder(path: str | None) -> StepRecorder | None:
     return StepRecorder(path)
 
 
-def opaque_attention(plugin_config: Any, kind: str, enforce_eager: bool) -> bool:
-    """Whether attention runs as vLLM's opaque op between compiled pieces
-    (``hpu_mm.graph_attention``; ``auto``: traced on Gaudi, opaque elsewhere).
-    Eager mode compiles nothing: its layers call the backend directly."""
-    mode = plugin_config.graph_mode
-    if mode == "eager" or (mode == "auto" and enforce_eager):
-        return False
-    choice = plugin_config.graph_attention
-    if choice == "auto":
-        return kind != "hpu"
-    return bool(choice == "opaque")
-
-
-def decode_form_for(kind: str) -> DecodeForm:
-    """Flat paged decode on Gaudi (the official plugin's form); elsewhere the
-    batched block table, which measured faster on the CPU (docs/performance.md,
-    decode attention, 2026-12-01) and uses the device's SDPA."""
-    return "flat" if kind == "hpu" else "batched"
-
-
 class ShapePolicy:
     """Pads each step to its bucket and counts real and padded tokens."""
 
@@ -69,13 +48,14 @@ class ShapePolicy:
         self,
         buckets: BucketSet | None,
         max_pad_ratio: float = 2.0,
-        decode_form: DecodeForm | None = None,
+        decode_form: DecodeForm = "flat",
         recorder: StepRecorder | None = None,
     ) -> None:
+        """``decode_form``: the execution plan's (``ExecutionPlan.decode_form``)."""
         self.buckets = buckets
         # The served steps' exact shapes, for the planner (bucketing.record_steps).
         self.recorder = recorder
-        self.decode_form: DecodeForm = decode_form or decode_form_for(dev.device_kind())
+        self.decode_form: DecodeForm = decode_form
         self.bucketer = (
             Bucketer(buckets, max_pad_ratio) if buckets is not None else None
         )

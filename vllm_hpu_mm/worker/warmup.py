@@ -104,12 +104,12 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     decode, prefill = step_shapes(
         buckets, engine_limits(runner.vllm_config), runner.shapes.decode_form
     )
-    if graphs.opaque_attention:  # graphs keyed by token rows: one shape per count
+    if graphs.plan.opaque_attention:  # graphs keyed by token rows: one shape per count
         decode, prefill = token_shapes(decode, prefill)
     work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
     work += [StepShape(0, 0, t, n) for t, n in prefill]
     work += list(buckets.batch)
-    sampler_sizes = sampler_batch_sizes(graphs, buckets)
+    sampler_sizes = sampler_batch_sizes(runner.plan, buckets)
     max_logprobs = int(runner.model_config.max_logprobs)
     sampler_calls = 0
     start = time.perf_counter()
@@ -147,7 +147,7 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         len(prefill),
         runner.shapes.decode_form,
         "opaque: one shape per token count"
-        if graphs.opaque_attention
+        if graphs.plan.opaque_attention
         else "traced: every step shape",
         len(buckets.batch),
         sampler_calls,

@@ -37,6 +37,7 @@ STATIC_COMPILED = {
     "per_request_cross": False,
     "decode_form": "flat",
     "prepack_linear": False,
+    "padded_sampler": True,
 }
 
 
@@ -46,7 +47,11 @@ def test_static_is_gaudis_path_on_every_device(kind: str) -> None:
     assert facts(plan) == STATIC_COMPILED
     # eager: the same layouts, without graphs
     eager = build_plan(cfg(execution="static", graph_mode="eager"), kind, False)
-    assert facts(eager) == {**STATIC_COMPILED, "graph_mode": "eager"}
+    assert facts(eager) == {
+        **STATIC_COMPILED,
+        "graph_mode": "eager",
+        "padded_sampler": False,  # no graphs: nothing keyed by the batch size
+    }
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
@@ -64,6 +69,7 @@ def test_dynamic_off_gaudi_is_the_fast_path(kind: str) -> None:
         "per_request_cross": True,
         "decode_form": "batched",
         "prepack_linear": kind == "cpu",
+        "padded_sampler": False,
     }
     # eager mode: attention is called directly, never under a graph
     eager = build_plan(cfg(execution="dynamic"), kind, enforce_eager=True)
@@ -83,6 +89,7 @@ def test_dynamic_on_gaudi_keeps_static_shapes() -> None:
     assert not (plan.host_attention or plan.per_request_prefill)
     assert not (plan.dense_decode_cache or plan.prepack_linear)
     assert plan.split_mixed_steps and plan.decode_form == "flat"
+    assert plan.padded_sampler  # a static count per graph: the sampler too
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ from hpu_kernels.attention import (
     prefill_attention,
     request_prefill_attention,
     write_kv,
+    write_kv_plain,
 )
 from vllm_hpu_mm import device
 from vllm_hpu_mm.attention.metadata import (
@@ -141,6 +142,11 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         # rows and blocks, not its bucket's: shapes then change every step,
         # free on the CPU and CUDA, a recompilation on Gaudi (lazy mode).
         self.trim_eager = device.device_kind() != "hpu"
+        # The KV write: a plain in-place index_copy_ where hpu_backend compiles
+        # it (Habana's graph compiler refuses the custom op's
+        # auto_functionalized form); the custom op elsewhere (Inductor
+        # reinplaces it).
+        self.write_kv = write_kv_plain if device.device_kind() == "hpu" else write_kv
 
     def forward(
         self,
@@ -159,7 +165,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         md = attn_metadata
         if md is None:  # a run without KV cache (memory profiling)
             return output.zero_()
-        write_kv(kv_cache, key, value, md.slot_mapping)
+        self.write_kv(kv_cache, key, value, md.slot_mapping)
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
             self._decode_into(output, query, key, value, kv_cache, md)

@@ -391,17 +391,18 @@ def is_lazy_mode() -> bool:
 # --- fused Gaudi kernels (pure PyTorch everywhere else) -------------------------
 
 
-def sdpa_kernel() -> SdpaFn:
+def sdpa_kernel(softmax_mode: str | None = "fast") -> SdpaFn:
     """Scaled dot-product attention for prefill-style attention
-    (``q [B, Hq, S, D]``, ``k``/``v`` ``[B, Hkv, K, D]``): Habana's FusedSDPA on
-    HPU, ``F.scaled_dot_product_attention`` elsewhere. Same call on both:
+    (``q [B, Hq, S, D]``, ``k``/``v`` ``[B, Hkv, K, D]``): Habana's FusedSDPA with
+    ``softmax_mode`` on HPU (None: PyTorch's SDPA there too),
+    ``F.scaled_dot_product_attention`` elsewhere. Same call on both:
     ``sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)``."""
     from hpu_kernels.fused import fused_sdpa, sdpa_native
 
-    if device_kind() != "hpu":
+    if device_kind() != "hpu" or softmax_mode is None:
         return sdpa_native
     kernels = importlib.import_module("habana_frameworks.torch.hpex.kernels")
-    return fused_sdpa(kernels.FusedSDPA)
+    return fused_sdpa(kernels.FusedSDPA, softmax_mode)
 
 
 def rms_norm_kernel() -> Any | None:

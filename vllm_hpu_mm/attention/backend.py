@@ -137,7 +137,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         # The SDPA kernel of the device: FusedSDPA on Gaudi, PyTorch's elsewhere.
-        self.sdpa: SdpaFn = device.sdpa_kernel()
+        self.sdpa: SdpaFn = device.sdpa_kernel(_softmax_mode())
         # Eager attention (opaque op, eager mode) reads the step's real decode
         # rows and blocks, not its bucket's: shapes then change every step,
         # free on the CPU and CUDA, a recompilation on Gaudi (lazy mode).
@@ -342,3 +342,20 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
             device=self.device,
             spans=spans,
         )
+
+
+def _softmax_mode() -> str | None:
+    """FusedSDPA's softmax mode for the model being built (``hpu_mm.fused.
+    softmax_mode`` and the model's type, ``hpu_kernels.fused.fused_softmax_mode``);
+    read under the engine's current vLLM config, as the layers are built (none:
+    the defaults)."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    from hpu_kernels.fused import fused_softmax_mode
+    from vllm_hpu_mm.config import load_plugin_config
+
+    vllm_config = get_current_vllm_config_or_none()
+    model_config = getattr(vllm_config, "model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    setting = load_plugin_config(vllm_config).fused.softmax_mode
+    return fused_softmax_mode(setting, getattr(hf_config, "model_type", None))

@@ -40,6 +40,8 @@ import torch
 logger = logging.getLogger("vllm.hpu_mm.gaudi_sim")
 
 ALLOWED_HIGHER_ORDER_OPS = frozenset({"cond", "while_loop"})
+# Logged once per compiled graph (a server's log shows what it compiled when).
+COMPILE_LOG = "simulated hpu_backend compiled graph"
 
 
 class UnsupportedGraph(RuntimeError):
@@ -107,7 +109,9 @@ def make_hpu_backend(
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         check_graph(gm)
         Compilations.add(gm.__class__.__name__)
-        logger.debug("hpu_backend (simulated): graph %d compiled", Compilations.count)
+        logger.info(
+            "%s %d (%d nodes)", COMPILE_LOG, Compilations.count, len(gm.graph.nodes)
+        )
         return make_boxed_func(gm.forward)
 
     lowered = aot_autograd(fw_compiler=compile_graph, inference_compiler=compile_graph)

@@ -88,6 +88,25 @@ def test_the_plain_kv_write_compiles_and_writes_the_slots(habana: FakeHabana) ->
     assert habana.calls == ["compile"]
 
 
+def test_a_write_through_a_view_is_flagged_as_a_whole_copy(
+    habana: FakeHabana, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Habana reinplaces index_copy on a non-view input only: the [2, ...]
+    cache's K and V views are copied whole (a warning); a plain cache is not."""
+    key, value, slots = _kv()
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        _hpu_compile(lambda c, k, v, s: write_kv_plain(c, k, v, s))(
+            _cache(), key, value, slots
+        )
+    assert "would not be reinplaced" in caplog.text
+    caplog.clear()
+    flat = torch.zeros(12, 2, 8)
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        _hpu_compile(lambda c, k, s: c.index_copy_(0, s, k))(flat, key, slots)
+    assert "would not be reinplaced" not in caplog.text
+    assert torch.equal(flat[slots], key)
+
+
 def test_the_attention_backend_writes_plainly_on_hpu(habana: FakeHabana) -> None:
     from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
 

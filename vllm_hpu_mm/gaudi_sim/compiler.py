@@ -99,6 +99,21 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
             )
 
 
+def copies_not_reinplaced(gm: torch.fx.GraphModule) -> list[str]:
+    """The ``index_copy`` nodes whose destination is not a graph input itself
+    (a view of one, or an intermediate): Habana's compile passes reinplace
+    only a plain ``index_copy`` on a non-view input, so each of these copies
+    its whole destination on every call (a KV cache written through a view of
+    a ``[2, ...]`` K/V tensor is copied whole per layer and step)."""
+    return [
+        node.name
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        and node.target is torch.ops.aten.index_copy.default
+        and node.args[0].op != "placeholder"
+    ]
+
+
 def make_hpu_backend(
     is_lazy: Callable[[], bool], lazy_env: str = "PT_HPU_LAZY_MODE"
 ) -> Callable[..., Any]:
@@ -108,6 +123,15 @@ def make_hpu_backend(
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         check_graph(gm)
+        copies = copies_not_reinplaced(gm)
+        if copies:
+            logger.warning(
+                "simulated hpu_backend: %d index_copy on a view of a graph input "
+                "(%s) would not be reinplaced on Gaudi: each copies its whole "
+                "destination every call",
+                len(copies),
+                ", ".join(copies[:4]),
+            )
         Compilations.add(gm.__class__.__name__)
         logger.info(
             "%s %d (%d nodes)", COMPILE_LOG, Compilations.count, len(gm.graph.nodes)

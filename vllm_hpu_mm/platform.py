@@ -194,9 +194,9 @@ def _force_bfloat16(vllm_config: VllmConfig) -> None:
     bfloat16, and vLLM's ``dtype="auto"`` keeps an fp16 checkpoint (such as
     llava-1.5) in fp16."""
     model_config = getattr(vllm_config, "model_config", None)
-    if model_config is None or model_config.dtype != torch.float16:
+    if getattr(model_config, "dtype", None) != torch.float16:
         return
-    model_config.dtype = torch.bfloat16
+    model_config.dtype = torch.bfloat16  # type: ignore[union-attr]
     logger.info(
         "HPU: the model's float16 is served as bfloat16 (Gaudi runs bfloat16, as "
         "the official plugin does)"

@@ -101,6 +101,29 @@ def _(
     return None
 
 
+def write_kv_plain(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_kv`` as plain in-place ``index_copy_`` on the flat per-layer K
+    and V views, for graphs compiled by Habana's ``hpu_backend``.
+
+    Same arguments and effect as ``write_kv``. Traced through AOTAutograd, the
+    custom op would become an ``auto_functionalized`` higher-order op, which
+    Habana's graph compiler does not implement (only ``cond`` / ``while_loop``),
+    while it reinplaces a plain ``index_copy``; the official plugin writes its
+    cache the same way (vllm-gaudi ``extension/utils.py`` ``VLLMKVCache``:
+    ``cache.index_copy_(0, slot_mapping, input)``).
+    """
+    _, num_blocks, block_size, num_kv_heads, head = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head)
+    n = slot_mapping.shape[0]
+    flat[0].index_copy_(0, slot_mapping, key[:n].to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value[:n].to(flat.dtype))
+
+
 def _gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,11 +38,28 @@ SdpaFn = Callable[
 ]
 
 # FusedSDPA arguments as the official Gaudi plugin passes them for prefill:
-# "fast" softmax (bf16 accumulate where it is safe), recompute on, no
-# valid-length shortcut, right padding.
+# "fast" softmax (bf16 accumulate) unless the model needs float32, recompute on,
+# no valid-length shortcut, right padding.
 FSDPA_SOFTMAX_MODE = "fast"
 FSDPA_RECOMPUTE = True
 FSDPA_PADDING_SIDE = "right"
+# hpu_mm.fused.softmax_mode -> FusedSDPA's softmax_mode argument.
+SOFTMAX_MODES = {"fast": "fast", "fp32": "fp32", "exact": "None"}
+# The official plugin's per-model choices (vllm-gaudi extension/features.py):
+# float32 softmax for these, no FusedSDPA for Mllama.
+FP32_SOFTMAX_MODELS = frozenset({"qwen2", "qwen2_5_vl"})
+NATIVE_SDPA_MODELS = frozenset({"mllama"})
+
+
+def fused_softmax_mode(setting: str, model_type: str | None) -> str | None:
+    """FusedSDPA's ``softmax_mode`` for ``hpu_mm.fused.softmax_mode`` =
+    ``setting`` and the model's ``model_type``; None: PyTorch's SDPA instead of
+    FusedSDPA (``auto`` for Mllama)."""
+    if setting != "auto":
+        return SOFTMAX_MODES[setting]
+    if model_type in NATIVE_SDPA_MODELS:
+        return None
+    return "fp32" if model_type in FP32_SOFTMAX_MODELS else FSDPA_SOFTMAX_MODE
 
 
 def sdpa_native(
@@ -76,7 +93,7 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill(~mask, torch.finfo(dtype).min)
 
 
-def fused_sdpa(kernel: Any) -> SdpaFn:
+def fused_sdpa(kernel: Any, softmax_mode: str = FSDPA_SOFTMAX_MODE) -> SdpaFn:
     """``sdpa`` through Habana's ``FusedSDPA`` (``kernel``), called as
     ``kernel.apply(q, k, v, attn_mask, dropout_p, is_causal, scale, softmax_mode,
     recompute_mode, valid_sequence_lengths, padding_side)``.
@@ -111,7 +128,7 @@ def fused_sdpa(kernel: Any) -> SdpaFn:
             0.0,  # dropout_p
             is_causal,
             scale,
-            FSDPA_SOFTMAX_MODE,
+            softmax_mode,
             FSDPA_RECOMPUTE,
             None,  # valid_sequence_lengths
             FSDPA_PADDING_SIDE,

@@ -18,6 +18,11 @@ Device choice (``select_device``):
 2. else ``hpu`` when ``habana_frameworks.torch`` imports;
 3. else ``cuda`` when ``torch.cuda.is_available()``;
 4. else ``cpu``.
+
+``VLLM_HPU_MM_DEVICE=hpu VLLM_HPU_MM_GAUDI_SIM=1`` installs the simulated Gaudi
+stack (``vllm_hpu_mm.gaudi_sim``) first, unless a real ``habana_frameworks`` is
+importable: the device kind is then ``hpu`` and every call below goes to the
+simulated bridge; only the tensors stay on the host (``torch_device``).
 """
 
 from __future__ import annotations
@@ -84,10 +89,43 @@ def _available(kind: DeviceKind) -> bool:
     return True
 
 
+def _install_simulated_gaudi() -> bool:
+    """Install ``vllm_hpu_mm.gaudi_sim`` when asked for and no real Habana
+    stack is importable; whether the simulation is on."""
+    from vllm_hpu_mm import gaudi_sim
+
+    if gaudi_sim.installed() is not None:
+        return True
+    if not gaudi_sim.requested():
+        return False
+    if gaudi_sim.real_habana_importable():
+        logger.warning(
+            "vllm-hpu-mm: %s=1 ignored: a real habana_frameworks is installed",
+            gaudi_sim.SIM_ENV,
+        )
+        return False
+    gaudi_sim.install()
+    return True
+
+
+def simulated() -> bool:
+    """The simulated Gaudi (``vllm_hpu_mm.gaudi_sim``) runs this process."""
+    from vllm_hpu_mm import gaudi_sim
+
+    return gaudi_sim.installed() is not None
+
+
 @functools.cache
 def select_device() -> DeviceChoice:
     """Pick the device once per process and log the choice with its reason."""
     forced = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if forced == "hpu" and _install_simulated_gaudi():
+        _habana()  # as on Gaudi: registers torch.hpu and hpu_backend
+        choice = DeviceChoice(
+            "hpu", f"forced by {DEVICE_ENV}=hpu, simulated Gaudi (host tensors)"
+        )
+        logger.info("vllm-hpu-mm: running on hpu (%s)", choice.reason)
+        return choice
     if forced:
         if forced not in _KINDS:
             raise DeviceError(
@@ -121,13 +159,14 @@ def torch_device(local_rank: int = 0) -> torch.device:
 
     HPU: un-indexed ``hpu`` (a Habana process drives one card, picked by
     ``HABANA_VISIBLE_MODULES``; indexed ``hpu:N`` devices are not how the stack is
-    driven). CUDA: ``cuda:<local_rank>``. CPU: ``cpu``.
+    driven); ``cpu`` on the simulated Gaudi, whose tensors are host tensors.
+    CUDA: ``cuda:<local_rank>``. CPU: ``cpu``.
     """
     kind = device_kind()
     if kind == "cpu":
         return torch.device("cpu")
     if kind == "hpu":
-        return torch.device("hpu")
+        return torch.device("cpu" if simulated() else "hpu")
     return torch.device(kind, local_rank)
 
 
@@ -346,17 +385,18 @@ def is_lazy_mode() -> bool:
 # --- fused Gaudi kernels (pure PyTorch everywhere else) -------------------------
 
 
-def sdpa_kernel() -> SdpaFn:
+def sdpa_kernel(softmax_mode: str | None = "fast") -> SdpaFn:
     """Scaled dot-product attention for prefill-style attention
-    (``q [B, Hq, S, D]``, ``k``/``v`` ``[B, Hkv, K, D]``): Habana's FusedSDPA on
-    HPU, ``F.scaled_dot_product_attention`` elsewhere. Same call on both:
+    (``q [B, Hq, S, D]``, ``k``/``v`` ``[B, Hkv, K, D]``): Habana's FusedSDPA with
+    ``softmax_mode`` on HPU (None: PyTorch's SDPA there too),
+    ``F.scaled_dot_product_attention`` elsewhere. Same call on both:
     ``sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)``."""
     from hpu_kernels.fused import fused_sdpa, sdpa_native
 
-    if device_kind() != "hpu":
+    if device_kind() != "hpu" or softmax_mode is None:
         return sdpa_native
     kernels = importlib.import_module("habana_frameworks.torch.hpex.kernels")
-    return fused_sdpa(kernels.FusedSDPA)
+    return fused_sdpa(kernels.FusedSDPA, softmax_mode)
 
 
 def rms_norm_kernel() -> Any | None:

@@ -98,6 +98,15 @@ class _HpuMMPlatformBase(Platform):
         return current_plan().opaque_attention
 
     @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        # The block size is chosen once, in check_and_update_config (128 on
+        # Gaudi, platform_config._set_block_size). vLLM 0.33 would reset a block
+        # size the user did not give to the backend's preferred one (16) in the
+        # worker after the runner has read it (executor start-up), so the KV
+        # spec and the runner's metadata would disagree. No hybrid models here.
+        return None
+
+    @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         return False
 
@@ -182,6 +191,29 @@ class HpuMMPlatform(_HpuMMPlatformBase):
     device_control_env_var = device.VISIBLE_MODULES_ENV
     # Inductor cannot compile HPU tensors; Habana's Dynamo backend can.
     simple_compile_backend = "hpu_backend"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        _force_bfloat16(vllm_config)
+        if device.simulated():
+            # The simulated Gaudi computes on host tensors (vllm_hpu_mm.gaudi_sim).
+            vllm_config.device_config.device = device.torch_device()
+        super().check_and_update_config(vllm_config)
+
+
+def _force_bfloat16(vllm_config: VllmConfig) -> None:
+    """float16 checkpoints run in bfloat16 on Gaudi, as the official plugin
+    does (vllm-gaudi ``platform.py``): Gaudi's kernels and recipes are tuned for
+    bfloat16, and vLLM's ``dtype="auto"`` keeps an fp16 checkpoint (such as
+    llava-1.5) in fp16."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "dtype", None) != torch.float16:
+        return
+    model_config.dtype = torch.bfloat16  # type: ignore[union-attr]
+    logger.info(
+        "HPU: the model's float16 is served as bfloat16 (Gaudi runs bfloat16, as "
+        "the official plugin does)"
+    )
 
 
 class CudaMMPlatform(_HpuMMPlatformBase):

@@ -401,10 +401,13 @@ def _package_sources() -> list[Path]:
 
 
 def test_only_device_module_touches_habana_or_torch_cuda() -> None:
+    """The simulated Habana stack (``vllm_hpu_mm/gaudi_sim``) is the one other
+    place: it is what it simulates, and only ``device.py`` installs it."""
     device_py = REPO_ROOT / "vllm_hpu_mm" / "device.py"
+    gaudi_sim = REPO_ROOT / "vllm_hpu_mm" / "gaudi_sim"
     offenders = []
     for path in _package_sources():
-        if path == device_py:
+        if path == device_py or path.is_relative_to(gaudi_sim):
             continue
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
             if _DEVICE_SPECIFIC.search(line):

@@ -105,6 +105,16 @@ def test_platform_check_and_update_config_uses_its_device() -> None:
     assert cpu_cfg.cache_config.block_size == 16
 
 
+def test_the_block_size_outlives_vllms_backend_update() -> None:
+    """vLLM 0.33 resets a block size the user did not give to the attention
+    backend's preferred one after the worker's runner has read it; the KV
+    spec and the runner's metadata then disagree (128 vs 16 on Gaudi)."""
+    cfg = make_config()
+    HpuMMPlatform.check_and_update_config(cfg)  # type: ignore[arg-type]
+    HpuMMPlatform.update_block_size_for_backend(cfg)  # type: ignore[arg-type]
+    assert cfg.cache_config.block_size == 128
+
+
 @pytest.mark.parametrize("device_type", ["hpu", "cpu"])
 def test_user_specified_block_size_is_kept(device_type: str) -> None:
     cfg = make_config()

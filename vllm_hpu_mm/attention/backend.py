@@ -39,6 +39,7 @@ from hpu_kernels.attention import (
     prefill_attention,
     request_prefill_attention,
     write_kv,
+    write_kv_plain,
 )
 from vllm_hpu_mm import device
 from vllm_hpu_mm.attention.metadata import (
@@ -140,7 +141,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         # The SDPA kernel of the device: FusedSDPA on Gaudi, PyTorch's elsewhere.
-        self.sdpa: SdpaFn = device.sdpa_kernel()
+        self.sdpa: SdpaFn = device.sdpa_kernel(_softmax_mode())
         # The execution plan (vllm_hpu_mm.plan), read under the vLLM config the
         # layers are built with. ``host_attention`` (dynamic, off Gaudi): this
         # forward never runs under a graph and reads the step's real decode
@@ -148,6 +149,11 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         # that change every step: free on the CPU and CUDA, a graph each on
         # Gaudi). Otherwise (static) it reads only what a graph may see.
         self.plan: ExecutionPlan = current_plan()
+        # The KV write, by the compiler that sees it (a device fact, not a
+        # path): a plain in-place index_copy_ where hpu_backend compiles it
+        # (Habana's graph compiler refuses the custom op's auto_functionalized
+        # form); the custom op elsewhere (Inductor reinplaces it).
+        self.write_kv = write_kv_plain if device.device_kind() == "hpu" else write_kv
 
     def forward(
         self,
@@ -166,7 +172,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         md = attn_metadata
         if md is None:  # a run without KV cache (memory profiling)
             return output.zero_()
-        write_kv(kv_cache, key, value, md.slot_mapping)
+        self.write_kv(kv_cache, key, value, md.slot_mapping)
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
             self._decode_into(output, query, key, value, kv_cache, md)
@@ -331,3 +337,20 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
             device=self.device,
             spans=spans,
         )
+
+
+def _softmax_mode() -> str | None:
+    """FusedSDPA's softmax mode for the model being built (``hpu_mm.fused.
+    softmax_mode`` and the model's type, ``hpu_kernels.fused.fused_softmax_mode``);
+    read under the engine's current vLLM config, as the layers are built (none:
+    the defaults)."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    from hpu_kernels.fused import fused_softmax_mode
+    from vllm_hpu_mm.config import load_plugin_config
+
+    vllm_config = get_current_vllm_config_or_none()
+    model_config = getattr(vllm_config, "model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    setting = load_plugin_config(vllm_config).fused.softmax_mode
+    return fused_softmax_mode(setting, getattr(hf_config, "model_type", None))

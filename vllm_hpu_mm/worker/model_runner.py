@@ -387,6 +387,26 @@ class HpuMMModelRunner:
         self._pending = _PendingSample(scheduler_output, logits, prompt_logprobs)
         return None
 
+    def _apply_grammar_bitmask(
+        self, scheduler_output: Any, grammar_output: Any, logits: torch.Tensor
+    ) -> None:
+        """vLLM's structured-output bitmask on ``logits [num_reqs, V]``, in place.
+
+        On HPU it is applied to a host copy, as the official plugin does
+        (vllm-gaudi ``hpu_model_runner.py``): xgrammar picks its kernel by the
+        logits' device and, for one neither CPU nor CUDA, its
+        ``torch.compile(dynamic=True)`` kernel, which is Inductor on HPU
+        tensors (and symbolic shapes), refused by Habana's stack."""
+        target = logits.cpu() if dev.device_kind() == "hpu" else logits
+        apply_grammar_bitmask(
+            scheduler_output,
+            grammar_output,
+            self.input_batch,  # type: ignore[arg-type]  # reads .req_ids
+            target,
+        )
+        if target is not logits:
+            logits.copy_(target)
+
     def _resolve_last_tokens(self) -> None:
         last, self._last_tokens = self._last_tokens, None
         if last is not None:
@@ -455,11 +475,8 @@ class HpuMMModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         logits = pending.logits
         if grammar_output is not None:
-            apply_grammar_bitmask(
-                pending.scheduler_output,
-                grammar_output,
-                self.input_batch,  # type: ignore[arg-type]  # reads .req_ids
-                logits,
+            self._apply_grammar_bitmask(
+                pending.scheduler_output, grammar_output, logits
             )
         scheduled = pending.scheduler_output.num_scheduled_tokens
         states = self.input_batch.states()

@@ -1,0 +1,178 @@
+"""``vllm serve`` on the simulated Gaudi (``vllm_hpu_mm.gaudi_sim``).
+
+``VLLM_HPU_MM_DEVICE=hpu VLLM_HPU_MM_GAUDI_SIM=1``: every process of the server
+(API server, engine core) loads the simulated Habana stack, so the engine
+takes the Gaudi path (block size 128, attention traced into static bucketed
+graphs compiled by the simulated ``hpu_backend``, FusedSDPA / FusedRMSNorm /
+fused RoPE, KV cache sized from the simulated card's memory). Tiny Llama in
+bfloat16 and graph mode serves, concurrently: greedy requests with
+``logprobs`` and ``prompt_logprobs`` compared with HF transformers in bfloat16
+up to the first near-tie (``tests.hf_reference.compare_greedy_bf16``), and a
+JSON-schema structured-output request; nothing is compiled while serving,
+neither by the plugin's graphs nor by vLLM's own ``torch.compile`` helpers
+(the simulated backend logs every graph it compiles).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from tests.e2e import test_serve
+from tests.e2e.test_serve import Server, serve
+from tests.hf_reference import (
+    Bf16Tally,
+    compare_greedy_bf16,
+    hf_greedy_steps,
+    load_hf_tokenizer,
+)
+from vllm_hpu_mm.gaudi_sim.compiler import COMPILE_LOG
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 8
+BUCKETS = "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8]\n"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+WARMUP_DONE = "Warmup finished"
+
+
+@pytest.fixture(scope="module")
+def tally(request: pytest.FixtureRequest) -> Iterator[Bf16Tally]:
+    t = Bf16Tally("vllm serve on the simulated Gaudi (Llama)")
+    yield t
+    t.report(request.config)
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    tmp: Path = tmp_path_factory.mktemp("gaudi_sim")
+    (tmp / "buckets.yaml").write_text(BUCKETS)
+    plugin = {
+        "hpu_mm": {
+            "graph_mode": "compile",
+            "bucketing": {"strategy": "explicit", "file": str(tmp / "buckets.yaml")},
+            "warmup": {"progress_bar": False},
+        }
+    }
+    patch = pytest.MonkeyPatch()
+    patch.setenv("VLLM_HPU_MM_DEVICE", "hpu")
+    patch.setenv("VLLM_HPU_MM_GAUDI_SIM", "1")
+    # A small card: the KV write through a view of the [2, ...] cache is
+    # functionalised into whole-cache copies per layer and step (about 80 % of
+    # a step at 256 MiB), which the simulated compiler flags and does not
+    # reinplace.
+    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", "64M")
+    patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
+    try:
+        yield from serve(
+            tiny_llama_dir,
+            tmp / "server.log",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--additional-config",
+            json.dumps(plugin),
+        )
+    finally:
+        patch.undo()
+
+
+def _sim_compiles_after_warmup(server: Server) -> list[str]:
+    lines = server.log_path.read_text(errors="replace").splitlines()
+    done = [i for i, line in enumerate(lines) if WARMUP_DONE in line]
+    assert done, "the server log has no warmup line"
+    return [line for line in lines[done[-1] :] if COMPILE_LOG in line]
+
+
+def _completion(server: Server, prompt: Any, **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": MAX_NEW,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        **extra,
+    }
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_the_server_runs_on_the_simulated_gaudi(server: Server) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert "simulated Gaudi" in log
+    assert "block_size=128" in log  # Gaudi's KV block size
+    assert "backend hpu_backend" in log
+    assert "Memory: 0.06 GiB total" in log  # the KV cache sized from the card
+
+
+def test_logprobs_structured_output_and_greedy_match_hf(
+    server: Server, tally: Bf16Tally
+) -> None:
+    tok = load_hf_tokenizer(server.model)
+    texts = ["The quick brown fox", "Once upon a time, in a land far", "1 2 3 4 5 6"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+
+    def greedy(p: list[int]) -> dict[str, Any]:
+        return _completion(server, p, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+    def constrained() -> dict[str, Any]:
+        return _completion(
+            server,
+            "A person as JSON:",
+            max_tokens=40,
+            structured_outputs={"json": SCHEMA},
+        )
+
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        schema_future = pool.submit(constrained)
+        answers = list(pool.map(greedy, prompts))
+        schema_answer = schema_future.result()
+    for prompt, answer in zip(prompts, answers, strict=True):
+        choice = answer["choices"][0]
+        got = choice["token_ids"]
+        want, logits = hf_greedy_steps(server.model, prompt, MAX_NEW, torch.bfloat16)
+        tally.add(f"{len(prompt)} tokens", compare_greedy_bf16(got, want, logits))
+        top = choice["logprobs"]["top_logprobs"]
+        assert len(top) == MAX_NEW and all(1 <= len(t) <= 3 for t in top)
+        prompt_lps = answer["choices"][0]["prompt_logprobs"]
+        assert len(prompt_lps) == len(prompt) and prompt_lps[0] is None
+        assert all(entry for entry in prompt_lps[1:])
+    text = schema_answer["choices"][0]["text"]
+    finish = schema_answer["choices"][0]["finish_reason"]
+    if finish == "stop":  # a complete document follows the schema
+        value = json.loads(text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    else:  # cut by max_tokens: still a prefix of a schema document
+        assert text.lstrip().startswith("{"), text
+
+
+def test_nothing_compiles_while_serving(server: Server) -> None:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    serving = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("vllm_hpu_mm:graph_compiles_total{")
+        and 'phase="serving"' in line
+    ]
+    assert sum(serving) == 0, serving
+    assert _sim_compiles_after_warmup(server) == []
+    assert COMPILE_LOG in server.log_path.read_text(errors="replace")  # at warmup

@@ -1,0 +1,411 @@
+"""The simulated Gaudi (``vllm_hpu_mm.gaudi_sim``): each refusal of the real
+stack it models makes the corresponding mistake fail, and each issue-28 fix
+passes where the unfixed code fails.
+
+The stack is installed per test through ``tests.fakes.habana.FakeHabana``
+(undone afterwards); the whole-process installation (``VLLM_HPU_MM_DEVICE=hpu
+VLLM_HPU_MM_GAUDI_SIM=1``) runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from hpu_kernels.attention import write_kv, write_kv_plain
+from hpu_kernels.fused import fused_sdpa, fused_softmax_mode, sdpa_native
+from tests.fakes.habana import HABANA_NAMES, FakeHabana
+from vllm_hpu_mm import device, patches
+from vllm_hpu_mm.gaudi_sim import card, compiler, kernels, stack
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(device.DEVICE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in HABANA_NAMES:
+        monkeypatch.setitem(sys.modules, name, None)
+    device.select_device.cache_clear()
+    yield
+    device.select_device.cache_clear()
+
+
+@pytest.fixture
+def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
+    fake = FakeHabana().install(monkeypatch)
+    device.select_device.cache_clear()
+    assert device.device_kind() == "hpu"
+    torch._dynamo.reset()
+    yield fake
+    torch._dynamo.reset()
+    fake.uninstall()
+
+
+def _hpu_compile(fn: Any, **kwargs: Any) -> Any:
+    return torch.compile(fn, backend=device.compile_backend(), **kwargs)
+
+
+# ---- hpu_backend: what Habana's graph compiler refuses -----------------------------
+
+
+def _cache() -> torch.Tensor:
+    return torch.zeros(2, 3, 4, 2, 8)  # [2, blocks, BS, Hkv, D]
+
+
+def _kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, 5, 2, 8, generator=g)
+    return key, value, torch.tensor([4, 5, 6, 9, 0])
+
+
+def test_the_custom_op_kv_write_is_refused_by_hpu_backend(habana: FakeHabana) -> None:
+    """Issue 28 item 4: the mutating custom op becomes auto_functionalized."""
+    key, value, slots = _kv()
+    fn = _hpu_compile(lambda c, k, v, s: write_kv(c, k, v, s))
+    with pytest.raises(Exception, match="auto_functionalized"):
+        fn(_cache(), key, value, slots)
+
+
+def test_the_plain_kv_write_compiles_and_writes_the_slots(habana: FakeHabana) -> None:
+    key, value, slots = _kv()
+    before = compiler.Compilations.count
+    cache, want = _cache(), _cache()
+    _hpu_compile(lambda c, k, v, s: write_kv_plain(c, k, v, s))(
+        cache, key, value, slots
+    )
+    write_kv(want, key, value, slots)
+    assert torch.equal(cache, want)
+    assert compiler.Compilations.count == before + 1
+    assert habana.calls == ["compile"]
+
+
+def test_a_write_through_a_view_is_flagged_as_a_whole_copy(
+    habana: FakeHabana, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Habana reinplaces index_copy on a non-view input only: the [2, ...]
+    cache's K and V views are copied whole (a warning); a plain cache is not."""
+    key, value, slots = _kv()
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        _hpu_compile(lambda c, k, v, s: write_kv_plain(c, k, v, s))(
+            _cache(), key, value, slots
+        )
+    assert "would not be reinplaced" in caplog.text
+    caplog.clear()
+    flat = torch.zeros(12, 2, 8)
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        _hpu_compile(lambda c, k, s: c.index_copy_(0, s, k))(flat, key, slots)
+    assert "would not be reinplaced" not in caplog.text
+    assert torch.equal(flat[slots], key)
+
+
+def test_the_attention_backend_writes_plainly_on_hpu(habana: FakeHabana) -> None:
+    from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
+
+    impl = HpuMMAttentionImpl(num_heads=4, head_size=8, scale=0.35, num_kv_heads=2)
+    key, value, slots = _kv()
+    cache = _cache()
+    _hpu_compile(lambda c, k, v, s: impl.write_kv(c, k, v, s))(cache, key, value, slots)
+    assert cache.abs().sum() > 0
+
+
+def test_symbolic_sizes_are_refused(habana: FakeHabana) -> None:
+    fn = _hpu_compile(lambda x: x * 2 + 1, dynamic=True)
+    with pytest.raises(Exception, match="Cannot convert symbols to int"):
+        fn(torch.arange(6.0))
+
+
+def test_unbacked_sizes_are_refused(habana: FakeHabana) -> None:
+    x = torch.arange(6.0)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    with pytest.raises(Exception, match="Cannot convert symbols to int"):
+        _hpu_compile(lambda t: t.sum(-1))(x)
+
+
+def test_static_graphs_compile_once_per_shape(habana: FakeHabana) -> None:
+    before = compiler.Compilations.count
+    fn = _hpu_compile(lambda x: x * 2 + 1, dynamic=False)
+    for _ in range(2):
+        assert torch.equal(fn(torch.arange(3.0)), torch.arange(3.0) * 2 + 1)
+    fn(torch.arange(4.0))
+    assert compiler.Compilations.count == before + 2
+
+
+def test_cond_is_accepted(habana: FakeHabana) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,))
+
+    assert torch.equal(_hpu_compile(f)(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_inductor_is_refused_on_hpu_tensors(
+    monkeypatch: pytest.MonkeyPatch, habana: FakeHabana
+) -> None:
+    import torch._inductor.compile_fx as compile_fx
+
+    monkeypatch.setattr(compile_fx, "compile_fx", compiler.inductor_refusing_hpu())
+    with pytest.raises(Exception, match="Device hpu not supported"):
+        torch.compile(lambda x: x + 1, backend="inductor")(torch.ones(2))
+
+
+# ---- issue 28 item 2: vLLM's symbolic-shape compiled helpers -----------------------
+
+
+def test_vllms_compiled_logprob_rank_fails_on_hpu_backend_and_the_patch_runs(
+    habana: FakeHabana,
+) -> None:
+    import vllm.v1.sample.ops.logprobs as logprobs_ops
+
+    # vLLM's helper as vLLM compiles it on HPU (backend=simple_compile_backend),
+    # called after mark_unbacked as the sampler does.
+    original = logprobs_ops.batched_count_greater_than._torchdynamo_orig_callable  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 11, generator=g).log_softmax(-1)
+    chosen = scores.gather(-1, torch.tensor([[1], [4], [7]]))
+    torch._dynamo.decorators.mark_unbacked(scores, 0)
+    torch._dynamo.decorators.mark_unbacked(chosen, 0)
+    with pytest.raises(Exception, match="Cannot convert symbols to int"):
+        _hpu_compile(original)(scores, chosen)
+    want = (scores >= chosen).sum(-1)
+    assert torch.equal(patches.batched_count_greater_than(scores, chosen), want)
+
+
+def test_vllms_compiled_vocab_mask_fails_on_hpu_backend_and_the_patch_runs(
+    habana: FakeHabana,
+) -> None:
+    import vllm.model_executor.layers.vocab_parallel_embedding as embedding
+
+    ids = torch.tensor([0, 5, 9, 12, 17, 20])
+    args = (ids, 5, 10, 2, 16, 18)
+    original = embedding.get_masked_input_and_mask._torchdynamo_orig_callable  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match="Cannot convert symbols to int"):
+        _hpu_compile(original, dynamic=True)(*args)
+    got = patches.get_masked_input_and_mask(*args)
+    want = original(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_helpers_patch_applies_on_hpu_once_the_sampler_is_loaded(
+    monkeypatch: pytest.MonkeyPatch, habana: FakeHabana
+) -> None:
+    import vllm.model_executor.layers.vocab_parallel_embedding as embedding
+    import vllm.v1.sample.ops.logprobs as logprobs_ops
+    import vllm.v1.sample.sampler as sampler
+
+    for module, name in (
+        (logprobs_ops, "batched_count_greater_than"),
+        (sampler, "batched_count_greater_than"),
+        (embedding, "get_masked_input_and_mask"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(patches, "_applied", set())
+    monkeypatch.setattr(torch.accelerator, "empty_cache", torch.accelerator.empty_cache)
+    monkeypatch.setattr(
+        torch.accelerator, "empty_host_cache", torch.accelerator.empty_host_cache
+    )
+    patches.apply_patches()
+    assert sampler.batched_count_greater_than is patches.batched_count_greater_than  # type: ignore[attr-defined]
+    assert logprobs_ops.batched_count_greater_than is patches.batched_count_greater_than
+    assert embedding.get_masked_input_and_mask is patches.get_masked_input_and_mask
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 9, generator=g).log_softmax(-1)
+    out = sampler.Sampler.gather_logprobs(scores, 2, torch.tensor([3, 5]))
+    assert out.selected_token_ranks.tolist() == [
+        int((scores[r] >= scores[r, t]).sum()) for r, t in ((0, 3), (1, 5))
+    ]
+
+
+# ---- issue 28 item 1: torch.accelerator.empty_cache ---------------------------------
+
+
+def test_the_bridge_refuses_accelerator_empty_cache_and_the_patch_skips_it(
+    monkeypatch: pytest.MonkeyPatch, habana: FakeHabana
+) -> None:
+    monkeypatch.setattr(
+        torch.accelerator, "empty_cache", stack._accelerator_empty_cache
+    )
+    monkeypatch.setattr(
+        torch.accelerator, "empty_host_cache", torch.accelerator.empty_host_cache
+    )
+    with pytest.raises(
+        RuntimeError, match="Allocator for hpu is not a DeviceAllocator"
+    ):
+        torch.accelerator.empty_cache()  # what vLLM's model loader calls
+    monkeypatch.setattr(patches, "_applied", set())
+    monkeypatch.setitem(sys.modules, "vllm.v1.sample.sampler", None)  # only item 1
+    monkeypatch.delitem(sys.modules, "vllm.v1.sample.sampler")
+    patches.apply_patches()
+    torch.accelerator.empty_cache()
+    torch.accelerator.empty_host_cache()
+
+
+# ---- FusedSDPA's softmax modes (issue 28 item 6) ------------------------------------
+
+
+def _attention_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 64, 32, generator=g) * 2
+    k = torch.randn(2, 2, 256, 32, generator=g) * 2
+    v = torch.randn(2, 2, 256, 32, generator=g)
+    return q, k, v
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def test_fast_softmax_costs_accuracy_and_exact_modes_do_not() -> None:
+    q, k, v = _attention_inputs()
+    want = sdpa_native(q, k, v, None, True, None, True)
+    errors = {
+        mode: _rel_err(
+            fused_sdpa(kernels.FusedSDPA, mode)(q, k, v, None, True, None, True), want
+        )
+        for mode in ("None", "fp32", "fast")
+    }
+    assert errors["None"] < 1e-5 and errors["fp32"] < 1e-5
+    assert 1e-3 < errors["fast"] < 5e-2, errors
+
+
+def test_softmax_mode_defaults_follow_the_official_plugin() -> None:
+    assert fused_softmax_mode("auto", "llama") == "fast"
+    assert fused_softmax_mode("auto", "qwen2_5_vl") == "fp32"
+    assert fused_softmax_mode("auto", "qwen2") == "fp32"
+    assert fused_softmax_mode("auto", "mllama") is None  # PyTorch's SDPA
+    assert fused_softmax_mode("exact", "mllama") == "None"
+    assert fused_softmax_mode("fp32", "llama") == "fp32"
+
+
+def test_the_backend_takes_the_models_softmax_mode(habana: FakeHabana) -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
+
+    q, k, v = _attention_inputs()
+    want = sdpa_native(q, k, v, None, True, None, True)
+    config = VllmConfig(
+        additional_config={"hpu_mm": {"fused": {"softmax_mode": "exact"}}}
+    )
+    with set_current_vllm_config(config):
+        impl = HpuMMAttentionImpl(num_heads=4, head_size=32, scale=0.2, num_kv_heads=2)
+    assert _rel_err(impl.sdpa(q, k, v, None, True, None, True), want) < 1e-5
+
+
+# ---- the card's memory statistics ---------------------------------------------------
+
+
+def test_card_memory_counts_the_live_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    hpu = card.SimHost(memory=2**34).process("worker")
+    hpu.reset_peak_memory_stats()
+    start = hpu.memory_allocated()
+    block = torch.empty(16 * 2**20, dtype=torch.uint8)  # 16 MiB
+    view = block[4:]  # a view adds nothing
+    assert hpu.memory_allocated() - start == 16 * 2**20
+    free, total = hpu.mem_get_info()
+    assert total == 2**34 and free == total - hpu.memory_allocated()
+    del block, view
+    assert hpu.memory_allocated() == start
+    assert hpu.max_memory_allocated() >= start + 16 * 2**20
+    hpu.reset_peak_memory_stats()
+    assert hpu.max_memory_allocated() == start
+
+
+def test_card_out_of_memory_says_how_much() -> None:
+    hpu = card.SimHost(memory=2**20).process("worker")
+    keep = torch.empty(2 * 2**20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"out of memory: .* GiB card"):
+        hpu.memory_allocated()
+    del keep
+
+
+@pytest.mark.parametrize(
+    ("given", "size"), [("", card.DEFAULT_MEMORY), ("8G", 8 * 2**30), ("512MiB", 2**29)]
+)
+def test_card_size_from_env(
+    monkeypatch: pytest.MonkeyPatch, given: str, size: int
+) -> None:
+    monkeypatch.setenv(card.MEMORY_ENV, given)
+    assert card.card_memory_from_env() == size
+
+
+def test_card_size_error_shows_the_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(card.MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match="'lots' is not a size"):
+        card.card_memory_from_env()
+
+
+# ---- float16 checkpoints (issue 28 item 7) ------------------------------------------
+
+
+def test_float16_is_served_as_bfloat16_on_hpu() -> None:
+    from vllm_hpu_mm.platform import _force_bfloat16
+
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float16))
+    _force_bfloat16(config)  # type: ignore[arg-type]
+    assert config.model_config.dtype == torch.bfloat16
+    config.model_config.dtype = torch.float32
+    _force_bfloat16(config)  # type: ignore[arg-type]
+    assert config.model_config.dtype == torch.float32
+
+
+# ---- the whole process (fresh interpreters) -----------------------------------------
+
+_PROCESS = """
+import torch, vllm_hpu_mm
+from vllm_hpu_mm import device, gaudi_sim
+print("PLATFORM", vllm_hpu_mm.register())
+print("KIND", device.device_kind(), device.torch_device(), device.simulated())
+print("HPU", type(torch.hpu).__name__, device.compile_backend())
+torch.accelerator.empty_cache()  # patched on HPU by register()
+import torch.distributed as dist
+print("HCCL", "hccl" in dist.Backend.backend_list)
+"""
+
+
+def _fresh(
+    code: str, env: dict[str, str], tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO_ROOT}", **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_the_environment_installs_the_simulated_gaudi(tmp_path: Path) -> None:
+    env = {"VLLM_HPU_MM_DEVICE": "hpu", "VLLM_HPU_MM_GAUDI_SIM": "1"}
+    proc = _fresh(_PROCESS, env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "PLATFORM vllm_hpu_mm.platform.HpuMMPlatform" in out
+    assert "KIND hpu cpu True" in out
+    assert "HPU SimTorchHpu hpu_backend" in out
+    assert "HCCL True" in out
+
+
+def test_a_real_habana_install_keeps_the_simulation_out(tmp_path: Path) -> None:
+    (tmp_path / "habana_frameworks").mkdir()
+    (tmp_path / "habana_frameworks" / "__init__.py").write_text("")
+    code = (
+        "from vllm_hpu_mm import device, gaudi_sim\n"
+        "try:\n    device.select_device()\nexcept device.DeviceError as e:\n"
+        "    print('ERR', e)\nprint('SIM', gaudi_sim.installed())\n"
+    )
+    env = {"VLLM_HPU_MM_DEVICE": "hpu", "VLLM_HPU_MM_GAUDI_SIM": "1"}
+    proc = _fresh(code, env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIM None" in proc.stdout
+    assert "ERR" in proc.stdout  # the (broken) real stack is used, not replaced

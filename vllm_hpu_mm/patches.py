@@ -132,12 +132,22 @@ def get_masked_input_and_mask(
 
 
 _SAMPLER = "vllm.v1.sample.sampler"
+# vLLM's compiled helpers as they were before ``_uncompiled_helpers`` replaced
+# them (name -> function), for tests that compare the two.
+REPLACED_HELPERS: dict[str, Any] = {}
 
 
 def _uncompiled_helpers() -> None:
     import vllm.model_executor.layers.vocab_parallel_embedding as embedding
     import vllm.v1.sample.ops.logprobs as logprobs
     import vllm.v1.sample.sampler as sampler
+
+    REPLACED_HELPERS.setdefault(
+        "batched_count_greater_than", logprobs.batched_count_greater_than
+    )
+    REPLACED_HELPERS.setdefault(
+        "get_masked_input_and_mask", embedding.get_masked_input_and_mask
+    )
 
     logprobs.batched_count_greater_than = batched_count_greater_than  # type: ignore[assignment]
     sampler.batched_count_greater_than = batched_count_greater_than  # type: ignore[attr-defined]

@@ -166,7 +166,10 @@ def test_vllms_compiled_logprob_rank_fails_on_hpu_backend_and_the_patch_runs(
 
     # vLLM's helper as vLLM compiles it on HPU (backend=simple_compile_backend),
     # called after mark_unbacked as the sampler does.
-    original = logprobs_ops.batched_count_greater_than._torchdynamo_orig_callable  # type: ignore[attr-defined]
+    compiled = patches.REPLACED_HELPERS.get(  # an earlier test may have patched it
+        "batched_count_greater_than", logprobs_ops.batched_count_greater_than
+    )
+    original = compiled._torchdynamo_orig_callable
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(3, 11, generator=g).log_softmax(-1)
     chosen = scores.gather(-1, torch.tensor([[1], [4], [7]]))
@@ -185,7 +188,10 @@ def test_vllms_compiled_vocab_mask_fails_on_hpu_backend_and_the_patch_runs(
 
     ids = torch.tensor([0, 5, 9, 12, 17, 20])
     args = (ids, 5, 10, 2, 16, 18)
-    original = embedding.get_masked_input_and_mask._torchdynamo_orig_callable  # type: ignore[attr-defined]
+    compiled = patches.REPLACED_HELPERS.get(
+        "get_masked_input_and_mask", embedding.get_masked_input_and_mask
+    )
+    original = compiled._torchdynamo_orig_callable
     with pytest.raises(Exception, match="Cannot convert symbols to int"):
         _hpu_compile(original, dynamic=True)(*args)
     got = patches.get_masked_input_and_mask(*args)

@@ -333,7 +333,10 @@ class WarmupConfig(_Section):
     AOTAutograd's cache) in graph mode: a later start of the same model with the same
     buckets and KV-cache size loads its graphs from there instead of compiling them
     again. Unset: `TORCHINDUCTOR_CACHE_DIR` when that is set, else
-    `$XDG_CACHE_HOME/vllm-hpu-mm/torch-compile` (by default under `~/.cache`)."""
+    `$XDG_CACHE_HOME/vllm-hpu-mm/torch-compile` (by default under `~/.cache`). The
+    graphs go into a subdirectory named by the CPU kernels in use (e.g.
+    `cpu-avx512-amx-onednn-all`; `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA`
+    change it): torch's cache does not key on them."""
 
 
 class MemoryConfig(_Section):

@@ -4,14 +4,15 @@
 #               then serves the tiny Mllama with an image; prints what each proved
 #               (MODEL=... serves that one alone; HF_CHECK=auto|on|off,
 #               GRAPH_MODE=...: scripts/demo.sh)
-#   make test   lint + unit + e2e tests
+#   make test   lint + unit + e2e tests, then the bfloat16 files with the
+#               CPU kernels of a CPU without AMX (test-bf16-noamx)
 # Both bootstrap .venv on first use.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 export VLLM_HPU_MM_LOG_LEVEL ?= INFO
 
-.PHONY: venv demo test test-unit test-e2e test-vllm-upstream lint format models clean
+.PHONY: venv demo test test-unit test-e2e test-bf16-noamx test-vllm-upstream lint format models clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -51,8 +52,21 @@ test-e2e: models
 test-vllm-upstream: models
 	$(PY) -m tests.vllm_upstream.harness
 
+# The bfloat16 parity files once more with the CPU kernels a CPU without AMX
+# runs (an AMD EPYC with AVX-512 BF16; AVX2 CPUs: NOAMX_ISA="AVX2 avx2"):
+# oneDNN capped by ONEDNN_MAX_CPU_ISA, PyTorch's vectorized kernels and
+# inductor's generated code by ATEN_CPU_CAPABILITY. Exported, so the servers
+# the tests start run with them too (issue 34).
+NOAMX_ISA ?= AVX512_CORE_BF16 avx512
+BF16_FILES := tests/e2e/test_bf16_mllama.py tests/e2e/test_bf16_serve.py \
+	tests/e2e/test_bf16_llama.py tests/e2e/test_bf16_llava.py
+test-bf16-noamx: models
+	ONEDNN_MAX_CPU_ISA=$(word 1,$(NOAMX_ISA)) ATEN_CPU_CAPABILITY=$(word 2,$(NOAMX_ISA)) \
+		$(VENV)/bin/pytest -q $(BF16_FILES)
+
 test: lint models
 	$(VENV)/bin/pytest -q tests
+	$(MAKE) --no-print-directory test-bf16-noamx
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .mypy_cache .ruff_cache

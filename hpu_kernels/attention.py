@@ -341,6 +341,10 @@ def dense_decode_attention(
         n = keys.shape[2]
         dense[0, :, :, :n].index_copy_(0, fill_slots, keys.to(dense.dtype))
         dense[1, :, :, :n].index_copy_(0, fill_slots, values.to(dense.dtype))
+        # Past n the slot holds its previous request's K/V: masked, so of zero
+        # weight, but 0 * NaN is NaN in P @ V. Cleared, a NaN request's K/V
+        # cannot reach the next request of its slot.
+        dense[:, :, :, n:].index_fill_(1, fill_slots, 0.0)
     dense[0, slots, :, positions] = key.to(dense.dtype)
     dense[1, slots, :, positions] = value.to(dense.dtype)
     # One query row per head, GQA through enable_gqa (rows placed at their

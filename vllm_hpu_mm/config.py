@@ -339,8 +339,11 @@ class WarmupConfig(_Section):
     """Directory of the compile caches in graph mode. CPU and CUDA: Inductor's
     FX graph and AOTAutograd caches (`TORCHINDUCTOR_CACHE_DIR`): a later start of
     the same model with the same buckets and KV-cache size reuses the generated
-    code (Dynamo still traces each graph). Gaudi: Inductor's cache does nothing
-    for `hpu_backend`; the directory holds Habana's recipe cache instead
+    code (Dynamo still traces each graph); the graphs go into a subdirectory named
+    by the CPU kernels in use (e.g. `cpu-avx512-amx-onednn-all`;
+    `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA` change it), as torch's cache
+    does not key on them. Gaudi: Inductor's cache does nothing for `hpu_backend`;
+    the directory holds Habana's recipe cache instead
     (`PT_HPU_RECIPE_CACHE_CONFIG=<dir>/hpu-recipes,False,8192`, set when unset),
     the only on-disk cache of compiled HPU graphs. Unset: `TORCHINDUCTOR_CACHE_DIR`
     when that is set, else `$XDG_CACHE_HOME/vllm-hpu-mm/torch-compile` (by default

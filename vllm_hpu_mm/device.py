@@ -368,6 +368,26 @@ def compile_backend() -> str:
     return "inductor"
 
 
+ONEDNN_ISA_ENVS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def cpu_kernel_tag() -> str:
+    """A directory name for the CPU kernels this process compiles for and runs,
+    e.g. ``cpu-avx512-amx-onednn-all``: PyTorch's vectorized-kernel level (its
+    ``ATEN_CPU_CAPABILITY`` ceiling, which is also the instruction set inductor
+    generates code for), whether the CPU has AMX tiles, and oneDNN's
+    instruction-set ceiling (``ONEDNN_MAX_CPU_ISA``). Inductor's on-disk graph
+    cache does not key on these: a graph compiled under one setting and loaded
+    under another runs code built for the other's kernels (bfloat16 Mllama's
+    compiled vision encoder then returned NaN). The tag keeps their caches
+    apart."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    amx = "amx" if torch.cpu._is_amx_tile_supported() else "noamx"
+    onednn = next((os.environ[e] for e in ONEDNN_ISA_ENVS if os.environ.get(e)), "all")
+    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in onednn.lower())
+    return f"cpu-{capability}-{amx}-onednn-{safe}"
+
+
 def dist_backend() -> str:
     return {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}[device_kind()]
 

@@ -157,6 +157,23 @@ def test_a_full_cache_evicts_a_request_not_in_the_step() -> None:
     assert w.cache.fills == 4
 
 
+def test_a_slot_reused_after_a_nan_request_reads_none_of_its_keys() -> None:
+    # Issue 34: a request whose K/V were NaN (a bf16 Mllama image request
+    # whose encoder returned NaN) left them in its slot past the next
+    # occupant's length. Masked keys get zero weight, but 0 * NaN is NaN in
+    # the P @ V product: the text-only request that took the slot answered
+    # garbage (token 1 mid-answer).
+    w = World(2, 1, slots=1)
+    w.prefill("a", 30)
+    w.decode(["a"], [], None)
+    dense = w.cache.tensor_for(w.paged)
+    dense.fill_(float("nan"))  # a's K/V, every position of its slot
+    w.cache.drop("a")
+    w.prefill("b", 3)
+    w.decode(["b"], [], None)  # b's keys are rebuilt into the slot: finite
+    w.decode(["b"], [], None)
+
+
 def test_one_token_prompt_needs_no_copy() -> None:
     w = World(2, 2, slots=2)
     w.prefill("a", 0)

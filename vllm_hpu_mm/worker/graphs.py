@@ -317,7 +317,10 @@ def use_compile_cache(configured: str | None) -> str:
     ``TORCHINDUCTOR_CACHE_DIR`` is kept; else the user's cache directory
     (torch's own default is under the temporary directory). The cache keys on
     the graph, its input shapes (the KV cache's among them) and torch's
-    version, so a changed model, bucket set or KV-cache size compiles afresh.
+    version, so a changed model, bucket set or KV-cache size compiles afresh;
+    not on the CPU kernels in use, so the graphs go into a subdirectory named
+    by them (``device.cpu_kernel_tag``): a start with other instruction-set
+    limits (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``) compiles its own.
 
     On Gaudi this directory does nothing: ``hpu_backend`` does not use
     Inductor, and the only on-disk cache of compiled graphs is Habana's recipe
@@ -334,6 +337,9 @@ def use_compile_cache(configured: str | None) -> str:
     if path and not configured and _same_path(path, default_cache_dir()):
         path = None
     path = os.path.abspath(os.path.expanduser(path or default_compile_cache_dir()))
+    tag = dev.cpu_kernel_tag()
+    if os.path.basename(path) != tag:  # not chosen already by this process
+        path = os.path.join(path, tag)
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     if dev.device_kind() == "hpu":

@@ -1,9 +1,10 @@
 """A real model (SmolLM2-135M-Instruct, real weights) through ``vllm.LLM``,
 compared with HF transformers on the same chat prompts.
 
-Built by ``make models`` (``tools.real_model``). Three engines, one
+Built by ``make models`` (``tools.real_model``). Five engines, one
 each: bfloat16 in graph mode (Inductor, chunked prefill in 16-token chunks),
-bfloat16 eager (no chunking), float32 eager (16-token chunks).
+bfloat16 eager (no chunking), float32 eager (16-token chunks), and the static
+plan (Gaudi's path) in float32 and bfloat16 (16-token chunks).
 
 - float32: every generated token is HF float32's greedy choice on the same
   prefix (teacher-forced: one HF forward per sequence), so the sequences are
@@ -168,6 +169,35 @@ def bf16_graph(
         yield _run(llm, prompts)
 
 
+# The static plan (Gaudi's path on the CPU): the bucket set of the dynamic
+# graph-mode engine plus a 4-row prefill bucket, flat decode, tiled prefill.
+STATIC_BUCKETS = (
+    "prefill_tokens: [4, 16]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8, 16]\n"
+)
+
+
+@pytest.fixture(scope="module")
+def bf16_static(
+    prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Run]:
+    graph = compiled_with_buckets(
+        tmp_path_factory, "smollm2-static", STATIC_BUCKETS, "static"
+    )
+    for llm in engine_lifetime(_engine("bfloat16", 16, graph)):
+        yield _run(llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def f32_static(
+    prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Run]:
+    graph = compiled_with_buckets(
+        tmp_path_factory, "smollm2-static-f32", STATIC_BUCKETS, "static"
+    )
+    for llm in engine_lifetime(_engine("float32", 16, graph)):
+        yield _run(llm, prompts)
+
+
 @pytest.fixture(scope="module")
 def bf16_eager(prompts: list[list[int]]) -> Iterator[Run]:
     for llm in engine_lifetime(_engine("bfloat16", None, None)):
@@ -268,11 +298,26 @@ def check_france_top2(run: Run) -> None:
         assert "Paris" in run.text[0], run.text[0]
 
 
-def test_float32_is_hf_greedy_and_says_paris(f32_eager: Run) -> None:
-    for prompt, tokens in zip(f32_eager.prompts, f32_eager.tokens, strict=True):
+def check_float32(run: Run) -> None:
+    for prompt, tokens in zip(run.prompts, run.tokens, strict=True):
         want = hf_step_logits(prompt, tokens, torch.float32).argmax(-1).tolist()
         assert tokens == want, (len(prompt), tokens, want)
-    assert "Paris" in f32_eager.text[0], f32_eager.text[0]
+    assert "Paris" in run.text[0], run.text[0]
+
+
+def test_float32_is_hf_greedy_and_says_paris(f32_eager: Run) -> None:
+    check_float32(f32_eager)
+
+
+def test_float32_static_plan_is_hf_greedy_and_says_paris(f32_static: Run) -> None:
+    """Gaudi's path (execution: static: traced attention in bucketed graphs,
+    tiled prefill, flat decode) on real weights."""
+    check_float32(f32_static)
+
+
+def test_bf16_static_plan_logprobs_match_hf(bf16_static: Run, tally: Bf16Tally) -> None:
+    check_bf16(bf16_static, "bf16 static plan, chunked", tally)
+    check_france_top2(bf16_static)
 
 
 def test_bf16_graph_mode_logprobs_match_hf(bf16_graph: Run, tally: Bf16Tally) -> None:

@@ -328,3 +328,32 @@ def test_bf16_graph_mode_logprobs_match_hf(bf16_graph: Run, tally: Bf16Tally) ->
 def test_bf16_eager_logprobs_match_hf(bf16_eager: Run, tally: Bf16Tally) -> None:
     check_bf16(bf16_eager, "bf16 eager", tally)
     check_france_top2(bf16_eager)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``vllm serve`` on the real model (float32, eager: the serving path)."""
+    from tests.e2e.test_serve import serve
+
+    log = tmp_path_factory.mktemp("smollm2-serve") / "server.log"
+    yield from serve(str(MODEL_DIR), log)
+
+
+def test_served_chat_is_hf_greedy_and_says_paris(server: Any) -> None:
+    """The chat endpoint applies the model's own template; the answer is HF
+    float32's greedy continuation of the prompt ids the server tokenised."""
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": FRANCE}],
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    reply = server.post("/v1/chat/completions", body)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    prompt, tokens = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    want = hf_step_logits(prompt, tokens, torch.float32).argmax(-1).tolist()
+    assert tokens == want, (tokens, want)
+    assert "Paris" in answer["choices"][0]["message"]["content"]

@@ -4,7 +4,8 @@ compared with HF transformers on the same chat prompts.
 Built by ``make models`` (``tools.real_model``). Five engines, one
 each: bfloat16 in graph mode (Inductor, chunked prefill in 16-token chunks),
 bfloat16 eager (no chunking), float32 eager (16-token chunks), and the static
-plan (Gaudi's path) in float32 and bfloat16 (16-token chunks).
+plan (Gaudi's path) in float32 and bfloat16 (16-token chunks); and ``vllm
+serve`` (float32) answering the chat question.
 
 - float32: every generated token is HF float32's greedy choice on the same
   prefix (teacher-forced: one HF forward per sequence), so the sequences are

@@ -404,6 +404,8 @@ QWEN_TEMPORAL_PATCH = 2
 # between these pixel counts: 64 to 4096 pixels, i.e. 1 to 64 image tokens.
 QWEN_MIN_PIXELS = (QWEN_PATCH_SIZE * QWEN_MERGE_SIZE) ** 2
 QWEN_MAX_PIXELS = 64 * 64
+# The Qwen-VL family's vision tokens, added to the tiny tokenizer.
+QWEN_ADDED_TOKENS = (QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD, QWEN_VIDEO_PAD)
 
 
 def _qwen2_5_vl_config(tok: Any) -> Any:
@@ -649,12 +651,7 @@ SPECS: tuple[TinyModelSpec, ...] = (
         seed=400,
         model_class="Qwen2_5_VLForConditionalGeneration",
         config=_qwen2_5_vl_config,
-        added_tokens=(
-            QWEN_VISION_START,
-            QWEN_VISION_END,
-            QWEN_IMAGE_PAD,
-            QWEN_VIDEO_PAD,
-        ),
+        added_tokens=QWEN_ADDED_TOKENS,
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen2_5_vl_processor,
     ),
@@ -663,12 +660,7 @@ SPECS: tuple[TinyModelSpec, ...] = (
         seed=500,
         model_class="Qwen3VLForConditionalGeneration",
         config=_qwen3_vl_config,
-        added_tokens=(
-            QWEN_VISION_START,
-            QWEN_VISION_END,
-            QWEN_IMAGE_PAD,
-            QWEN_VIDEO_PAD,
-        ),
+        added_tokens=QWEN_ADDED_TOKENS,
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen3_vl_processor,
     ),
@@ -677,12 +669,7 @@ SPECS: tuple[TinyModelSpec, ...] = (
         seed=510,
         model_class="Qwen3VLMoeForConditionalGeneration",
         config=_qwen3_vl_moe_config,
-        added_tokens=(
-            QWEN_VISION_START,
-            QWEN_VISION_END,
-            QWEN_IMAGE_PAD,
-            QWEN_VIDEO_PAD,
-        ),
+        added_tokens=QWEN_ADDED_TOKENS,
         chat_template=tk.image_chat_template(QWEN_IMAGE_PLACEHOLDER),
         processor=_qwen3_vl_processor,
     ),

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from tests.e2e import test_serve
-from tests.e2e.test_serve import Server, serve
+from tests.e2e.test_serve import Server, _completion, serve
 from tests.hf_reference import hf_greedy, load_hf_tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -58,17 +58,8 @@ def server(
 
 
 def _complete(server: Server, prompt: list[int]) -> list[int]:
-    body = {
-        "model": server.model,
-        "prompt": prompt,
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    reply = server.post("/v1/completions", body)
-    assert reply.status_code == 200, reply.text
-    return list(reply.json()["choices"][0]["token_ids"])
+    answer = _completion(server, prompt, max_tokens=MAX_NEW)
+    return list(answer["choices"][0]["token_ids"])
 
 
 def _finished_per_engine(server: Server) -> dict[str, float]:

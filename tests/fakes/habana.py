@@ -12,7 +12,9 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -55,6 +57,7 @@ __all__ = [
     "FakeTorchHpu",
     "RotaryPosEmbeddingMode",
     "check_gaudi_generate_kwargs",
+    "cpu_only_host",
     "fake_apply_rotary_pos_emb",
     "reject_inductor",
 ]
@@ -99,6 +102,21 @@ class FakeHabana(SimHabana):
         unregister_hpu_backend()
         for name in HABANA_NAMES:
             sys.modules.pop(name, None)
+
+
+@contextlib.contextmanager
+def cpu_only_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A host without Habana's stack or CUDA, device choice unforced and
+    uncached for the body (the device module re-chooses on each side)."""
+    from vllm_hpu_mm import device
+
+    monkeypatch.delenv(device.DEVICE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in HABANA_NAMES:
+        monkeypatch.setitem(sys.modules, name, None)
+    device.select_device.cache_clear()
+    yield
+    device.select_device.cache_clear()
 
 
 def reject_inductor(monkeypatch: pytest.MonkeyPatch) -> None:

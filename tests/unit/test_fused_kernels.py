@@ -8,7 +8,6 @@ vLLM's own ``RMSNorm`` / ``RotaryEmbedding`` ``forward_native``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -31,11 +30,11 @@ from hpu_kernels.fused import (
     sdpa_native,
 )
 from tests.fakes.habana import (
-    HABANA_NAMES,
     FakeFusedRMSNorm,
     FakeFusedSDPA,
     FakeHabana,
     RotaryPosEmbeddingMode,
+    cpu_only_host,
     fake_apply_rotary_pos_emb,
 )
 from vllm_hpu_mm import device
@@ -54,13 +53,8 @@ EXACT = "None"
 
 @pytest.fixture(autouse=True)
 def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(device.DEVICE_ENV, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in HABANA_NAMES:
-        monkeypatch.setitem(sys.modules, name, None)
-    device.select_device.cache_clear()
-    yield
-    device.select_device.cache_clear()
+    with cpu_only_host(monkeypatch):
+        yield
 
 
 @pytest.fixture

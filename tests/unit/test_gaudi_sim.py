@@ -21,7 +21,7 @@ import torch
 
 from hpu_kernels.attention import write_kv, write_kv_plain
 from hpu_kernels.fused import fused_sdpa, fused_softmax_mode, sdpa_native
-from tests.fakes.habana import HABANA_NAMES, FakeHabana
+from tests.fakes.habana import FakeHabana, cpu_only_host
 from vllm_hpu_mm import device, patches
 from vllm_hpu_mm.gaudi_sim import card, compiler, kernels, stack
 
@@ -30,13 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(device.DEVICE_ENV, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in HABANA_NAMES:
-        monkeypatch.setitem(sys.modules, name, None)
-    device.select_device.cache_clear()
-    yield
-    device.select_device.cache_clear()
+    with cpu_only_host(monkeypatch):
+        yield
 
 
 @pytest.fixture

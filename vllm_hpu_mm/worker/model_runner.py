@@ -51,6 +51,7 @@ from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.input_batch import PersistentBatch
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
+from vllm_hpu_mm.worker.logits_head import configure_head
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
@@ -149,6 +150,7 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
+        configure_head(self.model, self.vllm_config.model_config)
         prepack = self.plugin_config.memory.cpu_prepacked_linear
         if prepack and self.plan.prepack_linear and cpu_linear.supported():
             packed = cpu_linear.pack_linear_weights(self.model)

@@ -58,21 +58,39 @@ TEXT = {
 
 
 def build_model(model_dir: Path) -> None:
-    """The tiny Mllama's builder with mid-size widths (same tokenizer)."""
-    from vllm_hpu_mm.tools import build_tiny_mllama as b
+    """The tiny Mllama's spec (``tools.tiny_model_specs``) with mid-size widths
+    and tiles (same tokenizer), saved as ``make models`` saves it."""
+    from dataclasses import replace
 
-    saved = (dict(b.VISION_CONFIG), dict(b.TEXT_CONFIG), b.TILE_SIZE)
-    b.VISION_CONFIG.update(VISION)
-    b.TEXT_CONFIG.update(TEXT)
-    b.TILE_SIZE = int(VISION["image_size"])
-    try:
-        b._save(model_dir, b.SEED)
-    finally:
-        b.VISION_CONFIG.clear()
-        b.VISION_CONFIG.update(saved[0])
-        b.TEXT_CONFIG.clear()
-        b.TEXT_CONFIG.update(saved[1])
-        b.TILE_SIZE = saved[2]
+    sys.path.insert(0, str(ROOT))  # the repository's top-level ``tools``
+    from tools import tiny_model_specs as specs
+    from tools.build_tiny_models import model_specs, save_tiny_model
+
+    tiny = model_specs()["tiny-mllama"]
+
+    def config(tok: Any) -> Any:
+        cfg = tiny.config(tok)
+        for key, value in VISION.items():
+            setattr(cfg.vision_config, key, value)
+        for key, value in TEXT.items():
+            setattr(cfg.text_config, key, value)
+        return cfg
+
+    def processor(tok: Any) -> Any:
+        from transformers import MllamaImageProcessorPil, MllamaProcessor
+
+        tile = int(VISION["image_size"])
+        return MllamaProcessor(
+            image_processor=MllamaImageProcessorPil(
+                size={"height": tile, "width": tile},
+                max_image_tiles=specs.MLLAMA_MAX_NUM_TILES,
+            ),
+            tokenizer=tok,
+            chat_template=tok.chat_template,
+        )
+
+    spec = replace(tiny, name="mid-mllama", config=config, processor=processor)
+    save_tiny_model(spec, model_dir)
 
 
 def bench_args(args: argparse.Namespace, model_dir: Path, out: Path) -> list[str]:

@@ -67,8 +67,6 @@ def _reject_unsupported(vllm_config: VllmConfig) -> None:
     problems = []
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (--speculative-config)")
-    if vllm_config.lora_config is not None:
-        problems.append("LoRA (--enable-lora)")
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         problems.append(

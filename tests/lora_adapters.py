@@ -94,3 +94,16 @@ def peft_greedy(
             )
         outs.append(seq[0, len(prompt) :].tolist())
     return outs
+
+
+def peft_vlm_greedy(
+    base_dir: str, adapter_dir: str | None, inputs: Any, max_new_tokens: int
+) -> list[int]:
+    """Greedy continuation of a VLM's processor ``inputs`` by HF with the
+    adapter (``None``: the base model)."""
+    from tests.mm_reference import hf_vlm_greedy, load_hf_vlm
+
+    if adapter_dir is None:
+        return hf_vlm_greedy(load_hf_vlm(base_dir), inputs, max_new_tokens)
+    model = _peft_model(base_dir, adapter_dir, True)
+    return hf_vlm_greedy(model, inputs, max_new_tokens)

@@ -160,6 +160,10 @@ def test_scheduling_keeps_vllms_choice(
     [
         ({"speculative_config": SimpleNamespace()}, "speculative decoding"),
         (
+            {"lora_config": SimpleNamespace(enable_tower_connector_lora=True)},
+            "LoRA on the vision tower and connector (--enable-tower-connector-lora)",
+        ),
+        (
             {
                 "parallel_config": SimpleNamespace(
                     pipeline_parallel_size=2, worker_cls="auto"

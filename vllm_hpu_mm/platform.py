@@ -118,7 +118,8 @@ class _HpuMMPlatformBase(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        raise NotImplementedError("vllm-hpu-mm does not support LoRA yet")
+        # Every slot applied by masked GEMMs: static shapes (``lora.punica``).
+        return "vllm_hpu_mm.lora.punica.PunicaWrapperHPUMM"
 
     # ---- selection -------------------------------------------------------------
     @classmethod

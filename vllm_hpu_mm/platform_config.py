@@ -67,8 +67,13 @@ def _reject_unsupported(vllm_config: VllmConfig) -> None:
     problems = []
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (--speculative-config)")
-    if vllm_config.lora_config is not None:
-        problems.append("LoRA (--enable-lora)")
+    lora = vllm_config.lora_config
+    if lora is not None and getattr(lora, "enable_tower_connector_lora", False):
+        # The runner maps adapters onto the language model's token rows only.
+        problems.append(
+            "LoRA on the vision tower and connector "
+            "(--enable-tower-connector-lora); LoRA on the language model is served"
+        )
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         problems.append(

@@ -159,7 +159,10 @@ def test_scheduling_keeps_vllms_choice(
     ("overrides", "named"),
     [
         ({"speculative_config": SimpleNamespace()}, "speculative decoding"),
-        ({"lora_config": SimpleNamespace()}, "LoRA"),
+        (
+            {"lora_config": SimpleNamespace(enable_tower_connector_lora=True)},
+            "LoRA on the vision tower and connector (--enable-tower-connector-lora)",
+        ),
         (
             {
                 "parallel_config": SimpleNamespace(
@@ -231,20 +234,20 @@ def test_gemma3_is_served_with_images_scheduled_whole() -> None:
 def test_reject_names_every_problem_at_once() -> None:
     cfg = make_config(
         speculative_config=SimpleNamespace(),
-        lora_config=SimpleNamespace(),
         parallel_config=SimpleNamespace(pipeline_parallel_size=4, worker_cls="auto"),
     )
     with pytest.raises(UnsupportedConfigError) as info:
         _reject_unsupported(cfg)  # type: ignore[arg-type]
     msg = str(info.value)
     assert "speculative decoding" in msg
-    assert "LoRA" in msg
     assert "pipeline parallelism" in msg
     assert "use tensor parallelism" in msg
 
 
 def test_accepts_plain_config_and_missing_model_config() -> None:
     _reject_unsupported(make_config())  # type: ignore[arg-type]
+    # LoRA is served (vllm_hpu_mm.lora): --enable-lora is not refused.
+    _reject_unsupported(make_config(lora_config=SimpleNamespace()))  # type: ignore[arg-type]
     _reject_unsupported(make_config(model_config=None))  # type: ignore[arg-type]
 
 

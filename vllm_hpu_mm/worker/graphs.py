@@ -256,15 +256,20 @@ class GraphRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         merge: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None,
+        before_pass: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """The body over a step's token rows, in one pass, or (a mixed step
         where the plan's ``split_mixed_steps``) one pass per part, decode rows
         then prefill rows, each under its own forward context.
         Multimodal models: ``merge(input_ids, mm_maps)`` turns each pass's
         token ids into its input embeddings, reading the maps of the pass's
-        metadata. Returns the hidden states of every token row, in row order."""
+        metadata. ``before_pass(start, stop)`` is told each pass's rows first
+        (LoRA: the adapter slots of those rows). Returns the hidden states of
+        every token row, in row order."""
         outs = []
         for p in step_passes(attn_metadata, split=self.plan.split_mixed_steps):
+            if before_pass is not None:
+                before_pass(p.start, p.stop)
             ids = input_ids[p.start : p.stop]
             with set_forward_context(
                 p.attn_metadata, vllm_config, num_tokens=p.stop - p.start

@@ -52,6 +52,7 @@ from vllm_hpu_mm.worker.input_batch import PersistentBatch
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
 from vllm_hpu_mm.worker.logits_head import configure_head
+from vllm_hpu_mm.worker.lora import LoraAdapters
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
 from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
@@ -131,6 +132,8 @@ class HpuMMModelRunner:
         # set for models whose images are read by cross-attention (Mllama)
         self.cross: CrossAttentionInputs | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # vLLM's adapter manager (``--enable-lora``), set by load_model.
+        self.lora: LoraAdapters | None = None
         # Rotary position channels of an M-RoPE model (Qwen2-VL family), 0 for
         # one position per token: the body's positions are then [channels, T].
         self.mrope_channels: int = (
@@ -150,6 +153,9 @@ class HpuMMModelRunner:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model = get_model(vllm_config=self.vllm_config)
+            if self.vllm_config.lora_config is not None:
+                self.lora = LoraAdapters(self.model, self.vllm_config, self.device)
+                self.model = self.lora.model
         configure_head(self.model, self.vllm_config.model_config)
         prepack = self.plugin_config.memory.cpu_prepacked_linear
         if prepack and self.plan.prepack_linear and cpu_linear.supported():
@@ -357,6 +363,14 @@ class HpuMMModelRunner:
             bidirectional_images=self.bidirectional_images,
             per_request_prefill=self.plan.per_request_prefill,
         )
+        if self.lora is not None:
+            self.lora.set_step(
+                [s.lora_request for s in states],
+                batch.row_starts,
+                batch.query_lens,
+                int(batch.input_ids.shape[0]),
+                int(batch.logits_rows.shape[0]),
+            )
         if self.decode_cache is not None:
             n_dec = batch.attn_metadata.real_decodes or 0
             batch.attn_metadata.dense = self.decode_cache.plan(
@@ -462,6 +476,7 @@ class HpuMMModelRunner:
             batch.input_ids,
             batch.positions,
             None if self.mm is None else self.mm.merge,
+            before_pass=None if self.lora is None else self.lora.select_rows,
         )
         logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
         return hidden, logits[: batch.num_reqs]

@@ -26,6 +26,8 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # M-RoPE models only (``worker.mrope``): the prompt's positions and delta.
     mrope: MRopePositions | None = None
+    # vLLM's LoRARequest of the request (None: the base model).
+    lora_request: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,6 +103,7 @@ class RequestTable:
             num_computed_tokens=new.num_computed_tokens,
             mm_features=mm_features,
             mrope=mrope,
+            lora_request=getattr(new, "lora_request", None),
         )
 
 

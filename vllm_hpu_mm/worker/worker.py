@@ -208,17 +208,24 @@ class HpuMMWorker(WorkerBase):
         specs = self.get_kv_cache_spec()
         return sum(s.page_size_bytes for s in specs.values())
 
+    # ---- LoRA (``worker.lora``) ------------------------------------------------
+    def _lora(self) -> Any:
+        lora = self._runner().lora
+        if lora is None:
+            raise RuntimeError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        return lora
+
     def add_lora(self, lora_request: Any) -> bool:
-        raise NotImplementedError("vllm-hpu-mm does not support LoRA")
+        return bool(self._lora().add(lora_request))
 
     def remove_lora(self, lora_id: int) -> bool:
-        raise NotImplementedError("vllm-hpu-mm does not support LoRA")
+        return bool(self._lora().remove(lora_id))
 
     def pin_lora(self, lora_id: int) -> bool:
-        raise NotImplementedError("vllm-hpu-mm does not support LoRA")
+        return bool(self._lora().pin(lora_id))
 
     def list_loras(self) -> set[int]:
-        return set()
+        return set(self._lora().list())
 
     def shutdown(self) -> None:
         # The gauge's file outlives this process in the multiprocess directory

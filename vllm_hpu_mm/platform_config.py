@@ -74,12 +74,6 @@ def _reject_unsupported(vllm_config: VllmConfig) -> None:
             "LoRA on the vision tower and connector "
             "(--enable-tower-connector-lora); LoRA on the language model is served"
         )
-    pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size > 1:
-        problems.append(
-            f"pipeline parallelism (--pipeline-parallel-size "
-            f"{pc.pipeline_parallel_size}); use tensor parallelism"
-        )
     mc = vllm_config.model_config
     if mc is not None and mc.runner_type != "generate":
         problems.append(f"runner type {mc.runner_type!r} (only 'generate')")
@@ -172,6 +166,23 @@ def _set_scheduling(vllm_config: VllmConfig) -> None:
     # and hands vLLM an output it waits for only when it reads it
     # (worker/async_output.py). Say which one this engine runs.
     sc = vllm_config.scheduler_config
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1 and sc.async_scheduling:
+        # vLLM turns it off itself by default (and refuses it when asked for);
+        # kept here should that change: the stages before the last learn the
+        # sampled tokens from the scheduler, which sends them only when
+        # scheduling is synchronous (worker/pipeline.py).
+        sc.async_scheduling = False
+    if pp > 1:
+        logger.info(
+            "vllm-hpu-mm: synchronous scheduling with %d pipeline stages: the "
+            "stages before the last take the sampled tokens from the scheduler, "
+            "which sends them only then (async scheduling is off); up to %d "
+            "batches in flight, one a stage",
+            pp,
+            pp,
+        )
+        return
     logger.info(
         "vllm-hpu-mm: %s scheduling (--%sasync-scheduling)",
         "async" if sc.async_scheduling else "synchronous",

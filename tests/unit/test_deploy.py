@@ -139,9 +139,13 @@ def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     return request.param, kustomize(DEPLOY / "overlays" / request.param)
 
 
-@pytest.fixture(scope="module")
-def ray_docs() -> list[dict[str, Any]]:
-    return kustomize(DEPLOY / "ray")
+# deploy/ray: TP over two nodes; deploy/ray-pp: TP inside a node, PP across.
+RAY_CLUSTERS = ("ray", "ray-pp")
+
+
+@pytest.fixture(scope="module", params=RAY_CLUSTERS)
+def ray_docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return kustomize(DEPLOY / request.param)
 
 
 # ---- Dockerfile --------------------------------------------------------------
@@ -582,7 +586,8 @@ def test_raycluster_offers_the_hpus_tensor_parallelism_needs(
             == dockerfile_uid()
         )
     env = env_of(head_c)
-    assert cards == int(env["TENSOR_PARALLEL_SIZE"])
+    stages = int(env.get("PIPELINE_PARALLEL_SIZE", 1))
+    assert cards == int(env["TENSOR_PARALLEL_SIZE"]) * stages
     assert head["securityContext"]["runAsUser"] == dockerfile_uid()
     # The head's script: valid bash, runs KubeRay's `ray start`, serves over Ray.
     config = one(ray_docs, "ConfigMap")
@@ -594,6 +599,9 @@ def test_raycluster_offers_the_hpus_tensor_parallelism_needs(
     assert bash.returncode == 0, bash.stderr
     assert "${KUBERAY_GEN_RAY_START_CMD} &" in script
     assert "--distributed-executor-backend ray" in script
+    if stages > 1:
+        assert '--pipeline-parallel-size "${PIPELINE_PARALLEL_SIZE}"' in script
+        assert 'os.environ["PIPELINE_PARALLEL_SIZE"]' in script  # waits for all
     for var in re.findall(r"\$\{(\w+)\}", script):
         assert var == "KUBERAY_GEN_RAY_START_CMD" or var in env, var
     # The plugin configuration loads; the head serves the API.
@@ -664,3 +672,34 @@ def test_ray_head_startup_budget_follows_the_warmup_estimate(
     assert graphs == 328
     estimate = RAY_GATHER_S + first_start_s(graphs)
     assert PROBE_MARGIN * estimate <= _startup_s(head) <= 2 * PROBE_MARGIN * estimate
+
+
+def test_pipeline_overlay_puts_one_stage_on_each_node() -> None:
+    """deploy/ray-pp: every pod (node) holds the cards of one tensor-parallel
+    group, and there are as many pods as stages, so vLLM's Ray executor (its
+    one-HPU bundles packed node by node, ranks numbered in that order) runs
+    each stage inside one node; every pod names the interface of HCCL's and
+    gloo's bootstrap sockets (Habana's multi-node guidance), the same on all."""
+    docs = kustomize(DEPLOY / "ray-pp")
+    cluster = one(docs, "RayCluster")
+    templates = dict(pod_templates(cluster))
+    (head_c,) = templates["head"]["spec"]["containers"]
+    env = env_of(head_c)
+    tp, pp = int(env["TENSOR_PARALLEL_SIZE"]), int(env["PIPELINE_PARALLEL_SIZE"])
+    assert (tp, pp) == (8, 2)
+    pods = 1 + sum(g["replicas"] for g in cluster["spec"]["workerGroupSpecs"])
+    assert pods == pp
+    interfaces = set()
+    for _, template in templates.items():
+        (c,) = template["spec"]["containers"]
+        assert c["resources"]["limits"][GAUDI] == tp
+        pod_env = env_of(c)
+        assert pod_env["HCCL_SOCKET_IFNAME"] == pod_env["GLOO_SOCKET_IFNAME"]
+        interfaces.add(pod_env["HCCL_SOCKET_IFNAME"])
+    assert len(interfaces) == 1
+    service = one(docs, "Service")
+    assert service["spec"]["selector"]["ray.io/cluster"] == "vllm-hpu-mm-pp"
+    # The head's script runs as written (bash -n) and asks for both sizes.
+    script = one(docs, "ConfigMap")["data"]["serve-head.sh"]
+    bash = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr

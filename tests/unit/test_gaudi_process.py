@@ -378,3 +378,48 @@ def test_data_parallel_engines_take_distinct_modules(
             device.synchronize()
             cards[(dp_rank, local_rank)] = fake.hpu.card
     assert cards == {(0, 0): 4, (0, 1): 5, (1, 0): 6, (1, 1): 7}
+
+
+def test_pipeline_and_tensor_parallel_workers_take_distinct_modules(
+    monkeypatch: pytest.MonkeyPatch, gaudi_process: GaudiProcess
+) -> None:
+    """--tensor-parallel-size 2 x --pipeline-parallel-size 2 with the
+    multiprocessing executor on one node: vLLM numbers the workers stage by
+    stage (rank = stage x TP + TP rank, the local rank on one node), and each
+    takes the listed module at its host-local index, as
+    ``HpuMMWorker.init_device`` passes it: stage 0 on modules 4 and 5, stage 1
+    on 6 and 7."""
+    pc = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert pc.world_size == pc.local_world_size == 4
+    cards = {}
+    for stage in (1, 0):
+        for tp_rank in (0, 1):
+            local_rank = stage * pc.tensor_parallel_size + tp_rank
+            monkeypatch.setenv(VISIBLE_MODULES_ENV, "4,5,6,7")
+            fake = gaudi_process(FakeGaudiHost(modules=(4, 5, 6, 7)), "worker")
+            device.claim_device(
+                pc.get_local_gpu_index(local_rank),
+                pc.local_world_size * pc.data_parallel_size_local,
+            )
+            device.synchronize()
+            cards[(stage, tp_rank)] = fake.hpu.card
+    assert cards == {(0, 0): 4, (0, 1): 5, (1, 0): 6, (1, 1): 7}
+
+
+def test_ray_pipeline_workers_keep_the_module_ray_gives_them(
+    monkeypatch: pytest.MonkeyPatch, gaudi_process: GaudiProcess
+) -> None:
+    """Over Ray, one stage a node: Ray lists one module per actor in
+    ``HABANA_VISIBLE_MODULES``, and the worker keeps it whatever its index
+    (the stage-1 workers on the second node have local ranks 0 and 1 there)."""
+    pc = ParallelConfig(
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    for local_rank, module in ((0, 2), (1, 3)):
+        monkeypatch.setenv(VISIBLE_MODULES_ENV, str(module))
+        fake = gaudi_process(FakeGaudiHost(modules=(0, 1, 2, 3)), "worker")
+        device.claim_device(pc.get_local_gpu_index(local_rank), pc.local_world_size)
+        device.synchronize()
+        assert fake.hpu.card == module

@@ -163,14 +163,6 @@ def test_scheduling_keeps_vllms_choice(
             {"lora_config": SimpleNamespace(enable_tower_connector_lora=True)},
             "LoRA on the vision tower and connector (--enable-tower-connector-lora)",
         ),
-        (
-            {
-                "parallel_config": SimpleNamespace(
-                    pipeline_parallel_size=2, worker_cls="auto"
-                )
-            },
-            "pipeline parallelism (--pipeline-parallel-size 2)",
-        ),
         ({"model_config": SimpleNamespace(runner_type="pooling")}, "'pooling'"),
         (
             {
@@ -234,14 +226,41 @@ def test_gemma3_is_served_with_images_scheduled_whole() -> None:
 def test_reject_names_every_problem_at_once() -> None:
     cfg = make_config(
         speculative_config=SimpleNamespace(),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=4, worker_cls="auto"),
+        lora_config=SimpleNamespace(enable_tower_connector_lora=True),
+        kv_transfer_config=SimpleNamespace(),
     )
     with pytest.raises(UnsupportedConfigError) as info:
         _reject_unsupported(cfg)  # type: ignore[arg-type]
     msg = str(info.value)
     assert "speculative decoding" in msg
-    assert "pipeline parallelism" in msg
-    assert "use tensor parallelism" in msg
+    assert "LoRA on the vision tower" in msg
+    assert "KV transfer" in msg
+
+
+def test_pipeline_parallelism_is_served() -> None:
+    """--pipeline-parallel-size is no longer refused (worker/pipeline.py)."""
+    cfg = make_config(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2, worker_cls="auto")
+    )
+    _reject_unsupported(cfg)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_pipeline_parallelism_schedules_synchronously(
+    asked: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With two stages async scheduling is off, and the log line says why: the
+    first stage learns the sampled tokens from the scheduler, which sends them
+    only under synchronous scheduling."""
+    cfg = make_config(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2, worker_cls="auto")
+    )
+    cfg.scheduler_config.async_scheduling = asked
+    with caplog.at_level("INFO", logger="vllm.hpu_mm"):
+        _set_scheduling(cfg)  # type: ignore[arg-type]
+    assert cfg.scheduler_config.async_scheduling is False
+    assert "synchronous scheduling with 2 pipeline stages" in caplog.text
+    assert "async scheduling is off" in caplog.text
 
 
 def test_accepts_plain_config_and_missing_model_config() -> None:

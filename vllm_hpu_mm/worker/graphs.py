@@ -39,11 +39,20 @@ from typing import Any
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.attention import Attention
+from vllm.sequence import IntermediateTensors
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.plan import ExecutionPlan
 from vllm_hpu_mm.worker.inputs import step_passes
+from vllm_hpu_mm.worker.pipeline import (
+    PipelineStage,
+    cat_rows,
+    empty_intermediate,
+    slice_rows,
+)
+
+SINGLE_STAGE = PipelineStage(0, 1)
 
 logger = logging.getLogger("vllm.hpu_mm.graphs")
 
@@ -179,9 +188,15 @@ class GraphRunner:
         backend: str,
         regional: bool = True,
         compile_cache_dir: str | None = None,
+        stage: PipelineStage = SINGLE_STAGE,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.plan = plan
+        # Pipeline parallelism: a later stage's body starts from the previous
+        # stage's intermediate tensors (``dtype``), an earlier one's ends there.
+        self.stage = stage
+        self.dtype = dtype
         self.mode = mode = plan.graph_mode
         self.counter = CompileCounter(backend)
         self.regions = 0
@@ -230,9 +245,17 @@ class GraphRunner:
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        intermediate: IntermediateTensors | None = None,
+    ) -> Any:
+        if intermediate is None:  # the first (or only) stage
+            return self.model(
+                input_ids=input_ids, positions=positions, inputs_embeds=inputs_embeds
+            )
         return self.model(
-            input_ids=input_ids, positions=positions, inputs_embeds=inputs_embeds
+            input_ids=input_ids,
+            positions=positions,
+            intermediate_tensors=intermediate,
+            inputs_embeds=inputs_embeds,
         )
 
     def _run_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
@@ -243,9 +266,15 @@ class GraphRunner:
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token ids, or (multimodal models) merged input embeddings."""
-        out = self._body(input_ids, positions, inputs_embeds)
+        intermediate: IntermediateTensors | None = None,
+    ) -> Any:
+        """Token ids, or (multimodal models) merged input embeddings; a later
+        pipeline stage's ``intermediate`` tensors. Hidden states, or (a stage
+        before the last) the intermediate tensors for the next stage."""
+        if intermediate is None:
+            out = self._body(input_ids, positions, inputs_embeds)
+        else:
+            out = self._body(input_ids, positions, inputs_embeds, intermediate)
         dev.mark_step()
         return out
 
@@ -256,8 +285,9 @@ class GraphRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         merge: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None,
+        intermediate: IntermediateTensors | None = None,
         before_pass: Callable[[int, int], None] | None = None,
-    ) -> torch.Tensor:
+    ) -> Any:
         """The body over a step's token rows, in one pass, or (a mixed step
         where the plan's ``split_mixed_steps``) one pass per part, decode rows
         then prefill rows, each under its own forward context.
@@ -265,7 +295,18 @@ class GraphRunner:
         token ids into its input embeddings, reading the maps of the pass's
         metadata. ``before_pass(start, stop)`` is told each pass's rows first
         (LoRA: the adapter slots of those rows). Returns the hidden states of
-        every token row, in row order."""
+        every token row, in row order;
+        a pipeline stage before the last, its intermediate tensors instead.
+        A later stage reads the rows of each pass from ``intermediate``
+        (``[T, H]`` per tensor, T the step's padded rows; zeros where none is
+        given: warmup)."""
+        if not self.stage.is_first:
+            if merge is not None:
+                raise RuntimeError("only the first pipeline stage merges embeddings")
+            if intermediate is None:
+                intermediate = empty_intermediate(
+                    self.model, input_ids.shape[0], self.dtype, input_ids.device
+                )
         outs = []
         for p in step_passes(attn_metadata, split=self.plan.split_mixed_steps):
             if before_pass is not None:
@@ -279,11 +320,16 @@ class GraphRunner:
                 # the latter are copied out contiguous, the layout warmup
                 # compiled for (a strided view would be a new graph).
                 pos = positions[..., p.start : p.stop].contiguous()
-                if merge is None:
+                if intermediate is not None:
+                    rows = slice_rows(intermediate, p.start, p.stop)
+                    outs.append(self.body(ids, pos, None, rows))
+                elif merge is None:
                     outs.append(self.body(ids, pos))
                 else:
                     embeds = merge(ids, p.attn_metadata.mm_maps)
                     outs.append(self.body(None, pos, embeds))
+        if not self.stage.is_last:
+            return cat_rows(outs)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

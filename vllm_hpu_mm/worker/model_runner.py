@@ -28,6 +28,7 @@ import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.interfaces import supports_multimodal
+from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -54,6 +55,7 @@ from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero
 from vllm_hpu_mm.worker.logits_head import configure_head
 from vllm_hpu_mm.worker.lora import LoraAdapters
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
+from vllm_hpu_mm.worker.pipeline import PipelineStage
 from vllm_hpu_mm.worker.profile import profile_peak_activation_bytes
 from vllm_hpu_mm.worker.requests import RequestState, RequestTable
 from vllm_hpu_mm.worker.sampler_padding import (
@@ -92,7 +94,12 @@ class HpuMMModelRunner:
         self.device = device
         self.plugin_config = plugin_config
         self.block_size: int = vllm_config.cache_config.block_size
-        self.requests = RequestTable(device)
+        # Pipeline parallelism (``worker.pipeline``): the first stage embeds
+        # and encodes, the last computes logits and samples.
+        self.stage = PipelineStage.current()
+        self.requests = RequestTable(
+            device, tokens_from_scheduler=not self.stage.is_last
+        )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         vocab_size = self.model_config.get_vocab_size()
         procs, procs_read_outputs = build_logits_processors(vllm_config, device)
@@ -172,9 +179,19 @@ class HpuMMModelRunner:
             self.plan,
             dev.compile_backend(),
             compile_cache_dir=self.plugin_config.warmup.compile_cache_dir,
+            stage=self.stage,
+            dtype=self.model_config.dtype,  # type: ignore[arg-type]
         )
         if self.mrope_channels:
             self.requests.mrope_model = self.model
+        if self.stage.size > 1 and getattr(
+            self.model, "uses_cross_attention_cache", False
+        ):
+            raise RuntimeError(
+                f"pipeline parallelism ({self.stage.size} stages) with a "
+                "cross-attention model (Mllama): its image states are read by "
+                "layers on every stage; serve it with tensor parallelism"
+            )
         if getattr(self.model, "uses_cross_attention_cache", False):
             self.cross = CrossAttentionInputs(
                 self.model,
@@ -183,7 +200,9 @@ class HpuMMModelRunner:
                 self.graphs,
                 self._max_items_per_prompt(),
             )
-        elif supports_multimodal(self.model):
+        elif supports_multimodal(self.model) and self.stage.is_first:
+            # The encoder and the merge run on the first stage only; later
+            # stages start from its intermediate tensors.
             self.mm = self._multimodal_inputs()
         logger.info(
             "Loaded %s in %.1f s on %s",
@@ -332,8 +351,15 @@ class HpuMMModelRunner:
 
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
-        """Run the model; None means: call ``sample_tokens`` next."""
+    def execute_model(
+        self,
+        scheduler_output: Any,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run the model; None means: call ``sample_tokens`` next. A pipeline
+        stage before the last returns its intermediate tensors (the worker
+        sends them on); a later one reads the previous stage's
+        ``intermediate_tensors``."""
         if self._pending is not None:
             raise RuntimeError("execute_model() twice without sample_tokens()")
         self._update_requests(scheduler_output)
@@ -389,7 +415,9 @@ class HpuMMModelRunner:
                 batch.seq_lens - batch.query_lens,
                 batch.query_lens,
             )
-        hidden, logits = self.forward(batch, states)
+        if not self.stage.is_last:
+            return self._forward_body(batch, states, intermediate_tensors)
+        hidden, logits = self.forward(batch, states, intermediate_tensors)
         # The forward is issued: now wait for last step's tokens, which the
         # sampler's penalties and vLLM's output need on the host.
         self._resolve_last_tokens()
@@ -456,13 +484,29 @@ class HpuMMModelRunner:
         )
 
     def forward(
-        self, batch: StepBatch, states: list[RequestState]
+        self,
+        batch: StepBatch,
+        states: list[RequestState],
+        intermediate: IntermediateTensors | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the model on the padded batch.
 
         Returns (hidden [padded tokens, H], logits [R, V] of each request's
         last row, in batch order).
         """
+        hidden = self._forward_body(batch, states, intermediate)
+        assert self.graphs is not None
+        logits = self.graphs.logits(hidden.index_select(0, batch.logits_rows))
+        return hidden, logits[: batch.num_reqs]
+
+    def _forward_body(
+        self,
+        batch: StepBatch,
+        states: list[RequestState],
+        intermediate: IntermediateTensors | None,
+    ) -> Any:
+        """The body on the padded batch: hidden states [padded tokens, H], or
+        (a pipeline stage before the last) the next stage's input."""
         graphs = self.graphs
         assert graphs is not None, "load_model() first"
         if self.mm is not None:
@@ -470,16 +514,15 @@ class HpuMMModelRunner:
             self.mm.attach_maps(batch.attn_metadata, chunks)
         if self.cross is not None:
             batch.attn_metadata.cross = self.cross.metadata(batch, states)
-        hidden = graphs.run_step(
+        return graphs.run_step(
             batch.attn_metadata,
             self.vllm_config,
             batch.input_ids,
             batch.positions,
             None if self.mm is None else self.mm.merge,
+            intermediate,
             before_pass=None if self.lora is None else self.lora.select_rows,
         )
-        logits = graphs.logits(hidden.index_select(0, batch.logits_rows))
-        return hidden, logits[: batch.num_reqs]
 
     @torch.inference_mode()
     def sample_tokens(

@@ -45,6 +45,7 @@ from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
 from vllm_hpu_mm.bucketing.buckets import smallest_fit
 from vllm_hpu_mm.worker.kv_cache import kv_cache_specs
+from vllm_hpu_mm.worker.pipeline import empty_intermediate
 
 if TYPE_CHECKING:
     from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
@@ -388,11 +389,19 @@ def _run_step(runner: HpuMMModelRunner, shape: ProfileShape, md: Any) -> None:
         q = _query_lens(shape.num_tokens, shape.context_len)
         md.cross = _cross_metadata(runner.cross, q)
     with set_forward_context(md, runner.vllm_config, num_tokens=t):
-        if embeds is None:
+        if not runner.stage.is_first:  # a later pipeline stage's input
+            dtype: torch.dtype = runner.model_config.dtype  # type: ignore[assignment]
+            hidden = model(
+                input_ids=ids,
+                positions=positions,
+                intermediate_tensors=empty_intermediate(model, t, dtype, ids.device),
+            )
+        elif embeds is None:
             hidden = model(input_ids=ids, positions=positions)
         else:
             hidden = model(input_ids=None, positions=positions, inputs_embeds=embeds)
-    model.compute_logits(hidden[: shape.logits_rows])
+    if runner.stage.is_last:
+        model.compute_logits(hidden[: shape.logits_rows])
     dev.mark_step()  # HPU lazy mode: run the accumulated graph inside the meter
     del kept
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_hpu_mm.worker.mrope import MRopePositions, compute_mrope
+from vllm_hpu_mm.worker.pipeline import tokens_from_scheduler
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -50,8 +51,13 @@ class RequestState:
 class RequestTable:
     """Request states by id, updated from each SchedulerOutput."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, tokens_from_scheduler: bool = False
+    ) -> None:
         self.device = device
+        # A pipeline stage before the last samples nothing: it learns each
+        # request's new tokens from the scheduler (``worker.pipeline``).
+        self.tokens_from_scheduler = tokens_from_scheduler
         self.states: dict[str, RequestState] = {}
         # Set (to the model) for M-RoPE models: each new request's positions
         # are computed by the model's ``get_mrope_input_positions``.
@@ -74,6 +80,13 @@ class RequestTable:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             # The scheduler's count wins: tokens it discarded are dropped here.
             del state.output_token_ids[cached.num_output_tokens[i] :]
+            if self.tokens_from_scheduler and cached.new_token_ids:
+                tokens_from_scheduler(
+                    state.output_token_ids,
+                    state.num_tokens,
+                    state.num_computed_tokens,
+                    cached.new_token_ids[i],
+                )
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 assert new_blocks is not None

@@ -108,7 +108,8 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         decode, prefill = token_shapes(decode, prefill)
     work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
     work += [StepShape(0, 0, t, n) for t, n in prefill]
-    work += list(buckets.batch)
+    if runner.stage.is_last:  # logits and sampling: the last pipeline stage's
+        work += list(buckets.batch)
     sampler_sizes = sampler_batch_sizes(runner.plan, buckets)
     max_logprobs = int(runner.model_config.max_logprobs)
     sampler_calls = 0

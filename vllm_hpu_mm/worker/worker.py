@@ -10,8 +10,11 @@ import torch
 from vllm.config import VllmConfig
 from vllm.distributed import (
     ensure_model_parallel_initialized,
+    get_pp_group,
+    get_tp_group,
     init_distributed_environment,
 )
+from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -62,6 +65,8 @@ class HpuMMWorker(WorkerBase):
 
         self.plugin_config = load_plugin_config(vllm_config)
         self.runner: HpuMMModelRunner | None = None
+        # Pipeline parallelism: the last step's sends of intermediate tensors.
+        self._pp_sends: list[Any] = []
 
     # ---- life cycle ---------------------------------------------------------------
     def init_device(self) -> None:
@@ -161,10 +166,37 @@ class HpuMMWorker(WorkerBase):
         return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
 
     # ---- serving -------------------------------------------------------------------
+    @torch.inference_mode()
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
         """Run the model; None (the usual case) means vLLM calls
-        ``sample_tokens`` next, with the step's grammar bitmask."""
-        return self._runner().execute_model(scheduler_output)
+        ``sample_tokens`` next, with the step's grammar bitmask.
+
+        Pipeline parallelism, as vLLM's GPU worker: a stage after the first
+        receives the previous stage's intermediate tensors first; a stage
+        before the last sends its own on (without waiting: the sends are
+        waited for at the next step, before a forward could reuse memory
+        they read) and returns None (its ``sample_tokens`` is empty)."""
+        for handle in self._pp_sends:
+            handle.wait()
+        self._pp_sends = []
+        runner = self._runner()
+        intermediate = None
+        forward = scheduler_output.total_num_scheduled_tokens > 0
+        if forward and not runner.stage.is_first:
+            # Received under inference mode (this method's decorator), as
+            # warmup made its stand-ins: the compiled layers guard on it, and
+            # a normal tensor would compile every layer graph again.
+            received = get_pp_group().recv_tensor_dict(all_gather_group=get_tp_group())
+            assert received is not None
+            intermediate = IntermediateTensors(received)  # type: ignore[arg-type]
+        out = runner.execute_model(scheduler_output, intermediate)
+        if not isinstance(out, IntermediateTensors):
+            return out
+        handles = get_pp_group().isend_tensor_dict(
+            out.tensors, all_gather_group=get_tp_group()
+        )
+        self._pp_sends = handles[1:]  # the first (metadata) is reaped by vLLM
+        return None
 
     def sample_tokens(
         self, grammar_output: Any

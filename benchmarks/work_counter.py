@@ -1,0 +1,121 @@
+"""The static plan's work per step, counted from the ops that run, against the
+minimum the step needs (issue 29).
+
+For each representative text step (``vllm_hpu_mm.bench.work_steps``) it runs
+the plugin's attention impl, metadata and pass split on the CPU under a
+counting dispatch mode (``vllm_hpu_mm.bench.work``) and prints, per quantity,
+the minimum and two ratios: ``work`` (the step at its exact shape: the kernel
+form's overhead) and ``pad`` (its default exponential bucket over its exact
+shape: bucket padding); the step costs ``work x pad`` times the minimum.
+The last columns count whole-buffer copies of a layer's K or V in the graph
+AOTAutograd hands the device compiler for one layer, before that compiler's
+reinplacing: with the ``hpu_mm::write_kv`` custom op (CPU, CUDA) and with the
+plain ``index_copy_`` the plugin compiles for Gaudi.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/work_counter.py           # table
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/work_counter.py --json    # rows
+
+Figures, not pass/fail; tiny-Llama sizes (2 layers, 4/2 heads of 16, bf16),
+realistic sequence lengths, block size 128: the ratios are what matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _row(count: Any, copies: dict[str, dict[str, int]]) -> dict[str, Any]:
+    e, p = count.exact, count.padded
+
+    def kv(w: Any) -> int:
+        return int(w.read("kv", "attention") + w.read("kv_new", "attention"))
+
+    def ratios(minimum: int, exact: int, padded: int) -> dict[str, float]:
+        return {
+            "min": minimum,
+            "work": round(exact / minimum, 3),
+            "pad": round(padded / exact, 3),
+        }
+
+    return {
+        "step": count.step.name,
+        "exact": str(count.exact_shape),
+        "bucket": str(count.bucket_shape),
+        "passes": count.passes,
+        "attention_flops": ratios(
+            count.min_attention_flops, e.flops["attention"], p.flops["attention"]
+        ),
+        "kv_bytes": ratios(count.min_kv_bytes, kv(e), kv(p)),
+        "weight_bytes": ratios(
+            count.min_weight_bytes, e.read("weight"), p.read("weight")
+        ),
+        "eager_copies": sum(e.copies.values()) + sum(p.copies.values()),
+        "graph_copies_per_layer": copies,
+    }
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    def c(k: str) -> str:
+        return f"{r[k]['work']:.2f} x {r[k]['pad']:.2f}"
+
+    cp = r["graph_copies_per_layer"]
+    custom = cp.get("custom", {}).get("kv", "-")
+    plain = cp.get("plain", {}).get("kv", "-")
+    return (
+        f"| {r['step']} | {c('attention_flops')} | {c('kv_bytes')} | "
+        f"{c('weight_bytes')} | {r['eager_copies']} | "
+        f"{custom} / {plain} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object a row")
+    parser.add_argument(
+        "--no-graph", action="store_true", help="skip the compiled-graph copy count"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="context lengths' seed")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from vllm_hpu_mm.bench.work_steps import (
+        count_compiled_copies,
+        count_step,
+        representative_steps,
+    )
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    for step in representative_steps(args.seed):
+        copies = {}
+        if not args.no_graph:
+            copies = {w: count_compiled_copies(step, w) for w in ("custom", "plain")}
+        row = _row(count_step(step), copies)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+    if args.json:
+        return
+    print(
+        "| step | attention FLOPs | K/V bytes read | weight bytes read | "
+        "whole copies (eager) | K/V copies a layer in graph (custom op / plain) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(_fmt(r))
+    print("\nwork x pad: the step at its exact shape over the minimum, times its")
+    print("bucket over its exact shape. Shapes (exact -> bucket):")
+    for r in rows:
+        print(f"  {r['step']}: {r['exact']} -> {r['bucket']}, passes {r['passes']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -75,6 +75,34 @@ def _fmt(r: dict[str, Any]) -> str:
     )
 
 
+MLLAMA_TILES = (1, 2, 4)
+"""Tiles used by each image of the Mllama vision step (1x1, 1x2, 1x4 grids)."""
+
+
+def _vision_row(v: Any) -> dict[str, Any]:
+    c = v.counts
+    return {
+        "step": f"Mllama vision, {len(MLLAMA_TILES)} images of {MLLAMA_TILES} tiles",
+        "shape": f"every image at 4 tiles x {v.rows_per_tile} rows, one batch",
+        "attention_flops": {
+            "min": v.min_attention_flops,
+            "work": round(c.flops["attention"] / v.min_attention_flops, 3),
+        },
+        "weight_bytes": {
+            "min": v.min_weight_bytes,
+            "work": round(c.read("weight") / v.min_weight_bytes, 3),
+        },
+        "eager_copies": sum(c.copies.values()),
+    }
+
+
+def _fmt_vision(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['step']} | {r['attention_flops']['work']:.2f} x 1.00 | - | "
+        f"{r['weight_bytes']['work']:.2f} x 1.00 | {r['eager_copies']} | - |"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object a row")
@@ -84,15 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="context lengths' seed")
     args = parser.parse_args(argv)
 
-    import torch
-
     from vllm_hpu_mm.bench.work_steps import (
         count_compiled_copies,
         count_step,
         representative_steps,
     )
+    from vllm_hpu_mm.bench.work_vision import count_mllama_vision
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     for step in representative_steps(args.seed):
         copies = {}
@@ -102,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
+    vision = _vision_row(count_mllama_vision(list(MLLAMA_TILES)))
+    rows.append(vision)
     if args.json:
+        print(json.dumps(vision))
         return
     print(
         "| step | attention FLOPs | K/V bytes read | weight bytes read | "
@@ -110,11 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(_fmt(r))
+        print(_fmt(r) if "kv_bytes" in r else _fmt_vision(r))
     print("\nwork x pad: the step at its exact shape over the minimum, times its")
     print("bucket over its exact shape. Shapes (exact -> bucket):")
     for r in rows:
-        print(f"  {r['step']}: {r['exact']} -> {r['bucket']}, passes {r['passes']}")
+        if "exact" in r:
+            print(f"  {r['step']}: {r['exact']} -> {r['bucket']}, passes {r['passes']}")
+    print(f"  {vision['step']}: {vision['shape']}")
 
 
 if __name__ == "__main__":

@@ -149,3 +149,18 @@ def test_compiled_kv_write_copies_the_cache(write: str, copies: int) -> None:
     ``index_copy`` and a ``select_scatter`` of the whole cache for each."""
     step = TextStep("mixed", (1, 20), (40, 20))
     assert count_compiled_copies(step, write, M, block_size=BS) == {"kv": copies}
+
+
+def test_mllama_vision_runs_every_image_at_its_padded_tiles() -> None:
+    """28 px tiles of 14 px patches: 4 patches + CLS = 5 rows, padded to 8.
+    Images of 1 and 4 tiles both run 4 tiles x 8 rows; the minimum is their
+    real rows (5 and 20) against each other."""
+    from vllm_hpu_mm.bench.work_vision import VisionShape, count_mllama_vision
+
+    s = VisionShape(image_size=28)
+    v = count_mllama_vision([1, 4], s)
+    layers = s.layers + s.global_layers
+    assert v.rows_per_tile == 8
+    assert v.counts.flops["attention"] == layers * 2 * 4 * 32**2 * s.hidden
+    assert v.min_attention_flops == layers * 4 * (5**2 + 20**2) * s.hidden
+    assert v.counts.read("weight") == v.min_weight_bytes  # one batch: read once

@@ -101,7 +101,8 @@ class WorkCounts:
     """What the ops under a ``WorkCounter`` did (bytes and FLOPs)."""
 
     flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    """FLOPs by scope (``"attention"``, and ``"other"`` outside any scope)."""
+    """FLOPs by scope (``"attention"``, ``"other"`` outside any scope), and
+    ``"dense"``: ops with a ``"weight"``-tagged operand, in any scope."""
     reads: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Bytes read by tag (``"kv"``, ``"kv_new"``, ``"weight"``, ...), by scope:
     key ``"<scope>:<tag>"``."""
@@ -109,6 +110,8 @@ class WorkCounts:
     """Bytes written into tagged buffers, by tag."""
     copies: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Whole-buffer copies by tag."""
+    per_buffer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Bytes read from each tagged storage (by its address), all scopes."""
 
     def read(self, tag: str, scope: str | None = None) -> int:
         """Bytes read from ``tag``, in ``scope`` or in all scopes."""
@@ -167,6 +170,27 @@ class WorkCounter(TorchDispatchMode):
         finally:
             self._scope = outer
 
+    def scope_modules(
+        self, model: torch.nn.Module, kind: type[torch.nn.Module], name: str
+    ) -> list[Any]:
+        """Attribute the ops of every ``kind`` submodule's forward to scope
+        ``name`` (forward hooks); returns the hook handles."""
+        handles: list[Any] = []
+        saved: list[str] = []
+
+        def enter(module: torch.nn.Module, args: Any) -> None:
+            saved.append(self._scope)
+            self._scope = name
+
+        def leave(module: torch.nn.Module, args: Any, out: Any) -> None:
+            self._scope = saved.pop()
+
+        for m in model.modules():
+            if isinstance(m, kind):
+                handles.append(m.register_forward_pre_hook(enter))
+                handles.append(m.register_forward_hook(leave))
+        return handles
+
     def __torch_dispatch__(
         self,
         func: Any,
@@ -207,7 +231,14 @@ class WorkCounter(TorchDispatchMode):
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
     ) -> None:
         c = self.counts
-        c.flops[self._scope] += _flops(func, args, kwargs, out)
+        flops = _flops(func, args, kwargs, out)
+        if flops:
+            # a matmul with a weight operand is a dense layer's, whatever scope
+            # it runs in (a vision attention module's projections)
+            weighted = any(
+                self.tag_of(t) == "weight" for t in tree_flatten(list(args))[0]
+            )
+            c.flops["dense" if weighted else self._scope] += flops
         schema = func._schema
         if any(r.alias_info is not None for r in schema.returns) and not any(
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
@@ -237,6 +268,8 @@ class WorkCounter(TorchDispatchMode):
             else:
                 nbytes = unique_bytes(t)
             c.reads[f"{self._scope}:{tag}{suffix}"] += nbytes
+            if not suffix:
+                c.per_buffer[t.untyped_storage().data_ptr()] += nbytes
             if func in COPY_OPS and i == 0:
                 self._copied(t, unique_bytes(t))
                 if isinstance(out, torch.Tensor) and out.numel() == t.numel():
@@ -306,3 +339,13 @@ def minimum_kv_bytes(
 def minimum_weight_bytes(module: torch.nn.Module) -> int:
     """Every parameter read once."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def needed_weight_bytes(counts: WorkCounts, module: torch.nn.Module) -> int:
+    """Each parameter's bytes the step read at least once: all of a matmul's
+    weight, the gathered rows of an embedding table (at most the parameter)."""
+    total = 0
+    for p in module.parameters():
+        read = counts.per_buffer.get(p.untyped_storage().data_ptr(), 0)
+        total += min(read, p.numel() * p.element_size())
+    return total

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,39 @@ def _vision_row(v: Any) -> dict[str, Any]:
     }
 
 
+QWEN_GRIDS = ([1, 32, 32], [1, 46, 58], [1, 16, 24], [1, 74, 56])
+"""Patch grids of the Qwen2.5-VL step's images (448x448, 644x812, 224x336 and
+1036x784 px at 14 px patches)."""
+
+
+def _qwen_row(model_dir: str) -> dict[str, Any]:
+    from vllm_hpu_mm.bench.work_qwen import build_tower, count_qwen_vision
+
+    tower, cfg, vc = build_tower(model_dir)
+    q = count_qwen_vision(tower, cfg, vc, [list(g) for g in QWEN_GRIDS])
+    c = q.counts
+    sdpa = sum(v for k, v in c.calls.items() if k == "attention:" + SDPA_OP)
+    return {
+        "step": f"Qwen2.5-VL vision, {len(QWEN_GRIDS)} images",
+        "shape": f"grids {[g[1:] for g in QWEN_GRIDS]} patches, {q.layers} layers, "
+        f"{sdpa} SDPA calls ({sdpa / q.layers:.0f} a layer; the segments: "
+        f"{q.segments}), a host read of cu_seqlens a layer",
+        "attention_flops": {
+            "min": q.min_attention_flops,
+            "work": round(c.flops["attention"] / q.min_attention_flops, 3),
+        },
+        "weight_bytes": {
+            "min": q.min_weight_bytes,
+            "work": round(c.read("weight") / q.min_weight_bytes, 3),
+        },
+        "eager_copies": sum(c.copies.values()),
+        "sdpa_calls_per_layer": sdpa / q.layers,
+    }
+
+
+SDPA_OP = "aten.scaled_dot_product_attention.default"
+
+
 def _fmt_vision(r: dict[str, Any]) -> str:
     return (
         f"| {r['step']} | {r['attention_flops']['work']:.2f} x 1.00 | - | "
@@ -110,7 +144,15 @@ def main(argv: list[str] | None = None) -> None:
         "--no-graph", action="store_true", help="skip the compiled-graph copy count"
     )
     parser.add_argument("--seed", type=int, default=0, help="context lengths' seed")
+    parser.add_argument(
+        "--qwen-model",
+        default="models/tiny-qwen2_5-vl",
+        help="checkpoint whose vision config builds the Qwen2.5-VL tower",
+    )
     args = parser.parse_args(argv)
+    # vLLM's log lines (building the Qwen tower) go to stdout with its own
+    # handler; without it, its warnings reach stderr and the table stays clean
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
     from vllm_hpu_mm.bench.work_steps import (
         count_compiled_copies,
@@ -130,8 +172,11 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     vision = _vision_row(count_mllama_vision(list(MLLAMA_TILES)))
     rows.append(vision)
+    qwen = _qwen_row(args.qwen_model)
+    rows.append(qwen)
     if args.json:
         print(json.dumps(vision))
+        print(json.dumps(qwen))
         return
     print(
         "| step | attention FLOPs | K/V bytes read | weight bytes read | "
@@ -146,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         if "exact" in r:
             print(f"  {r['step']}: {r['exact']} -> {r['bucket']}, passes {r['passes']}")
     print(f"  {vision['step']}: {vision['shape']}")
+    print(f"  {qwen['step']}: {qwen['shape']}")
 
 
 if __name__ == "__main__":

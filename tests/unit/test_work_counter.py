@@ -164,3 +164,37 @@ def test_mllama_vision_runs_every_image_at_its_padded_tiles() -> None:
     assert v.counts.flops["attention"] == layers * 2 * 4 * 32**2 * s.hidden
     assert v.min_attention_flops == layers * 4 * (5**2 + 20**2) * s.hidden
     assert v.counts.read("weight") == v.min_weight_bytes  # one batch: read once
+
+
+def _scores_impl(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q @ k.transpose(-1, -2)
+
+
+_scores = torch.library.custom_op("work_test::scores", mutates_args=())(_scores_impl)
+
+
+@_scores.register_fake
+def _(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape[0], k.shape[0])
+
+
+def test_an_inlined_custom_op_is_counted_from_the_inside() -> None:
+    """vLLM's vision attention is one custom op (``vllm.torch_sdpa_wrapper``):
+    opaque, its matmuls go uncounted; inlined, they count."""
+    q, k = torch.randn(4, 8), torch.randn(6, 8)
+    opaque, inlined = WorkCounter(), WorkCounter()
+    inlined.inline[torch.ops.work_test.scores.default] = _scores_impl
+    for counter in (opaque, inlined):
+        with counter:
+            torch.ops.work_test.scores(q, k)
+    assert sum(opaque.counts.flops.values()) == 0
+    assert inlined.counts.flops["other"] == 2 * 4 * 6 * 8
+
+
+def test_qwen_segments_by_hand() -> None:
+    from vllm_hpu_mm.bench.work_qwen import qwen_segments
+
+    # 16 x 24 patches: 8 x 12 merged units, windows of 4 x 4 units (64 patches)
+    assert qwen_segments([1, 16, 24], 2, 4) == ([384], [64] * 6)
+    # 10 x 6 patches: 5 x 3 units, one full window row and a clipped one
+    assert qwen_segments([1, 10, 6], 2, 4) == ([60], [48, 12])

@@ -17,8 +17,10 @@ by the buffers it touches, recognised by their storage:
   storage into a new one or onto another (``clone``, ``_to_copy``, ``copy_``,
   functional ``index_copy`` / ``index_put``: what functionalisation turns an
   in-place cache write into);
-- ops must run outside ``torch.inference_mode`` (``no_grad`` is fine): under
-  it, composite ops (``linear``, SDPA) reach the mode undecomposed;
+- a composite op that reaches the mode whole (``linear``, SDPA under
+  ``inference_mode`` or inside an inlined custom op) is counted by the ops it
+  decomposes into; a custom op is one opaque call unless ``inline`` names its
+  Python implementation;
 - FLOPs come from torch's ``flop_counter`` formulas (matmuls, convolutions,
   SDPA; the CPU's ``_scaled_dot_product_flash_attention_for_cpu`` added), per
   *scope*: ``with counter.scope("attention"):`` around the attention kernels.
@@ -110,6 +112,8 @@ class WorkCounts:
     """Bytes written into tagged buffers, by tag."""
     copies: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Whole-buffer copies by tag."""
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Calls of each op, by scope: key ``"<scope>:<op>"``."""
     per_buffer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     """Bytes read from each tagged storage (by its address), all scopes."""
 
@@ -137,6 +141,9 @@ class WorkCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.tags: dict[int, str] = {}
+        # custom op -> its Python implementation, run under the counter (a
+        # custom op is otherwise one opaque call: its inner ops go uncounted)
+        self.inline: dict[Any, Any] = {}
         self.whole: dict[int, int] = {}
         self._kept: list[torch.Tensor] = []
         self.counts = WorkCounts()
@@ -201,6 +208,20 @@ class WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
+        self.counts.calls[f"{self._scope}:{func}"] += 1
+        if func in self.inline:
+            with self:  # the custom op's own ops, counted
+                return self.inline[func](*args, **kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd"
+        ):
+            # a composite op that reached the mode whole (below the autograd
+            # key: inside an inlined custom op, or under inference_mode):
+            # counted by the ops it decomposes into
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
         self._count(func, args, kwargs, out)
         return out

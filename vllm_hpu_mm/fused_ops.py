@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.custom_op import op_registry_oot
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
     Llama3RotaryEmbedding,
@@ -48,6 +48,25 @@ class FusedRMSNorm(RMSNorm):
         return fused_rms_norm(
             kernel, x, self.weight.data, self.variance_epsilon, residual
         )
+
+
+class FusedGemmaRMSNorm(GemmaRMSNorm):
+    """vLLM's GemmaRMSNorm (``x * (1 + w)``, Gemma 2/3) through Gaudi's
+    FusedRMSNorm, with the weight ``1 + w`` made in float32 as
+    ``forward_native`` makes it (in bfloat16 ``1 + w`` would round ``w`` away)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused_kernel = dev.rms_norm_kernel()
+
+    def forward_oot(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernel = self.fused_kernel
+        if kernel is None:
+            return self.forward_native(x, residual)
+        weight = self.weight.data.float() + 1.0
+        return fused_rms_norm(kernel, x, weight, self.variance_epsilon, residual)
 
 
 class _FusedRope:
@@ -94,6 +113,7 @@ class FusedLlama3RotaryEmbedding(_FusedRope, Llama3RotaryEmbedding):
 # in-tree class -> our subclass; the registered name is the in-tree class name
 FUSED_OPS: dict[type, type] = {
     RMSNorm: FusedRMSNorm,
+    GemmaRMSNorm: FusedGemmaRMSNorm,
     RotaryEmbedding: FusedRotaryEmbedding,
     Llama3RotaryEmbedding: FusedLlama3RotaryEmbedding,
 }

@@ -16,7 +16,7 @@ import pytest
 import torch
 from vllm.config import CompilationConfig
 from vllm.model_executor import custom_op
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
     Llama3RotaryEmbedding,
@@ -40,6 +40,7 @@ from tests.fakes.habana import (
 from vllm_hpu_mm import device
 from vllm_hpu_mm.fused_ops import (
     FUSED_OP_NAMES,
+    FusedGemmaRMSNorm,
     FusedLlama3RotaryEmbedding,
     FusedRMSNorm,
     FusedRotaryEmbedding,
@@ -232,6 +233,32 @@ def test_registered_norm_uses_the_fused_kernel(
     calls = FakeFusedRMSNorm.calls
     torch.testing.assert_close(norm(x), norm.forward_native(x))
     assert FakeFusedRMSNorm.calls == calls + 1
+
+
+def test_registered_gemma_norm_uses_the_fused_kernel(
+    habana: FakeHabana, vllm_ops: list[str]
+) -> None:
+    """Gemma's ``x * (1 + w)`` norm through the fused kernel, against vLLM's
+    own ``forward_native``, in bfloat16 (as Gaudi serves it), with and without
+    the residual add."""
+    assert "+GemmaRMSNorm" in vllm_ops
+    register_fused_ops()
+    norm = GemmaRMSNorm(16, eps=1e-6)  # what Gemma 3 builds
+    assert type(norm) is FusedGemmaRMSNorm
+    assert norm._forward_method == norm.forward_oot
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(16, generator=g))
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(3, 16, generator=g).to(torch.bfloat16)
+    residual = torch.randn(3, 16, generator=g).to(torch.bfloat16)
+    calls = FakeFusedRMSNorm.calls
+    torch.testing.assert_close(norm(x), norm.forward_native(x))
+    got = norm(x, residual.clone())
+    want = norm.forward_native(x, residual.clone())
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert FakeFusedRMSNorm.calls == calls + 2
 
 
 def test_norm_without_weight_falls_back(

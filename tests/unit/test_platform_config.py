@@ -81,7 +81,12 @@ def test_update_sets_defaults(device_type: str, block: int) -> None:
     assert cc.max_cudagraph_capture_size == 0
     # IR ops call their implementation, so graphs trace (and fuse) it.
     assert cc.ir_enable_torch_wrap is False
-    fused = ["+RMSNorm", "+RotaryEmbedding", "+Llama3RotaryEmbedding"]
+    fused = [
+        "+RMSNorm",
+        "+GemmaRMSNorm",
+        "+RotaryEmbedding",
+        "+Llama3RotaryEmbedding",
+    ]
     expected_ops = ["none", *fused] if device_type == "hpu" else ["none"]
     assert cc.custom_ops == expected_ops
 

@@ -5,7 +5,9 @@ Attention is traced into the compiled layers, so a multimodal step's graph key
 is its whole shape; images add encoder graphs (one per images-per-batch size)
 and merged embeddings, which must not add step shapes of their own. The
 prompts mix text, one and two images, chunked at a 32-token budget beside
-decoding requests.
+decoding requests. LLaVA in graph mode on the dynamic path (the CPU's
+default) is checked by ``test_bf16_llava.py``, in float32 eager by
+``test_llava.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,37 @@
-"""``vllm serve`` with the tiny Mllama: chat with images, compared with HF.
+"""``vllm serve`` with the tiny Mllama and a cross-attention cache of 3 image
+slots: chat with images compared with HF, and the slot budget at work.
 
 The answer's token ids (``return_token_ids``) are compared with transformers'
-greedy continuation of the same prompt ids and image (``tests.mllama_reference``).
+greedy continuation of the same prompt ids and images
+(``tests.mllama_reference``): one image, two images, text only.
+
+One slot per possible image would be ``max_num_seqs (4) x 4 images = 16``; the
+budget (``hpu_mm.memory.cross_attention_cache_gib``) holds 3. So:
+
+- concurrent requests of 2 distinct images each cannot run side by side (2 x 2
+  > 3): the scheduler admits one while the others wait, instead of the worker
+  running out of slots (which stops the engine); every answer is still HF's
+  greedy continuation, in float32;
+- images seen before are evicted once newer ones need their slots (least
+  recently used first) and are encoded again when they come back (the
+  ``encoder_runs_total`` counter of ``/metrics`` counts them);
+- a request with 4 images (within ``--limit-mm-per-prompt`` but more than the
+  whole cache) is a 400 (the platform lowers the limit to the slots, so vLLM
+  refuses it before processing its images), and the server goes on serving.
+
+One server for both (they were two modules, each starting its own).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import requests
 
 from tests.e2e.test_serve import Server, serve
 from tests.mllama_reference import hf_mllama_greedy, mllama_chat, tiny_mllama_dir
@@ -18,19 +39,53 @@ from tests.mm_reference import make_image
 
 pytestmark = pytest.mark.e2e
 
-MAX_NEW = 10
+MAX_NEW = 6
+# Tiny Mllama's slot: 2 layers x K,V x 96 rows x 2 KV heads x 16 x 4 bytes.
+SLOT_BYTES = 2 * 2 * 96 * 2 * 16 * 4
+SLOTS = 3
+BUDGET_GIB = (SLOTS + 0.5) * SLOT_BYTES / 2**30
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("serve_mllama") / "server.log"
     yield from serve(
-        tiny_mllama_dir(), log_path, "--limit-mm-per-prompt", json.dumps({"image": 2})
+        tiny_mllama_dir(),
+        log_path,
+        "--max-num-seqs",
+        "4",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 4}),
+        "--additional-config",
+        json.dumps({"hpu_mm": {"memory": {"cross_attention_cache_gib": BUDGET_GIB}}}),
     )
 
 
-def _chat(server: Server, images: list[Any], question: str) -> Any:
-    return mllama_chat(server, images, question, MAX_NEW)
+def _images(first: int, n: int) -> list[Any]:
+    kinds = ["gradient", "checkerboard", "stripes", "solid"]
+    return [
+        make_image(kinds[i % 4], (32 + 8 * (i % 3), 40), i)
+        for i in range(first, first + n)
+    ]
+
+
+def _encoder_runs(server: Server) -> float:
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    match = re.search(
+        r"^vllm_hpu_mm:encoder_runs_total(?:\{[^}]*\})? (\S+)$", text, re.M
+    )
+    assert match, text[-2000:]
+    return float(match.group(1))
+
+
+def _check_hf(response: Any, images: list[Any]) -> None:
+    assert response.status_code == 200, response.text
+    data = response.json()
+    got = data["choices"][0]["token_ids"]
+    want = hf_mllama_greedy(
+        str(tiny_mllama_dir()), data["prompt_token_ids"], images, MAX_NEW
+    )
+    assert got == want
 
 
 @pytest.mark.parametrize(
@@ -43,30 +98,48 @@ def _chat(server: Server, images: list[Any], question: str) -> Any:
     ids=["one_image", "two_images", "text_only"],
 )
 def test_chat_matches_hf(server: Server, images: list[Any]) -> None:
-    response = _chat(server, images, "What is in this picture?")
-    assert response.status_code == 200, response.text
-    data = response.json()
-    got = data["choices"][0]["token_ids"]
-    prompt_ids = data["prompt_token_ids"]
-    assert len(got) == MAX_NEW
-    assert hf_mllama_greedy(str(tiny_mllama_dir()), prompt_ids, images, MAX_NEW) == got
+    response = mllama_chat(server, images, "What is in this picture?", MAX_NEW)
+    _check_hf(response, images)
+    assert len(response.json()["choices"][0]["token_ids"]) == MAX_NEW
 
 
-def test_too_many_images_is_a_400_and_serving_goes_on(server: Server) -> None:
-    images = [make_image("solid", (32, 32), v) for v in range(3)]
-    response = _chat(server, images, "Three?")
+def test_startup_log_gives_the_slots(server: Server) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert f"Mllama cross-attention cache: {SLOTS} image slots" in log, log[-3000:]
+    assert "one slot per possible image would be 16 slots" in log
+    assert "at most 3 images per prompt (--limit-mm-per-prompt gave 4)" in log
+
+
+def test_concurrent_requests_wait_for_slots_and_match_hf(server: Server) -> None:
+    jobs = [_images(2 * i, 2) for i in range(6)]  # 12 distinct images, 3 slots
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        responses = list(
+            pool.map(
+                lambda ims: mllama_chat(server, ims, "Describe both.", MAX_NEW), jobs
+            )
+        )
+    for response, images in zip(responses, jobs, strict=True):
+        _check_hf(response, images)
+
+
+def test_evicted_images_are_encoded_again(server: Server) -> None:
+    first, second = _images(20, 2), _images(22, 2)
+    _check_hf(mllama_chat(server, first, "What is this?", MAX_NEW), first)
+    runs = _encoder_runs(server)
+    _check_hf(mllama_chat(server, first, "And now?", MAX_NEW), first)
+    assert _encoder_runs(server) == runs  # still cached: no encode
+    _check_hf(mllama_chat(server, second, "What is this?", MAX_NEW), second)
+    _check_hf(mllama_chat(server, first, "Once more?", MAX_NEW), first)
+    # 2 + 2 images > 3 slots: the least recently used of ``first`` made room
+    # for ``second``, and is encoded again (with 16 slots nothing is).
+    assert _encoder_runs(server) > runs + 2
+
+
+def test_more_images_than_the_cache_is_a_400_and_serving_goes_on(
+    server: Server,
+) -> None:
+    four = _images(30, 4)
+    response = mllama_chat(server, four, "Four?", MAX_NEW)
     assert response.status_code == 400, response.text
-    assert "image" in response.text
-    assert _chat(server, images[:1], "One?").status_code == 200
-
-
-def test_metrics_count_encoder_runs(server: Server) -> None:
-    import requests
-
-    text = requests.get(f"{server.url}/metrics", timeout=10).text
-    runs = [
-        line
-        for line in text.splitlines()
-        if line.startswith("vllm_hpu_mm:encoder_runs_total")
-    ]
-    assert runs and float(runs[0].split()[-1]) >= 1
+    assert "At most 3 image(s)" in response.text
+    _check_hf(mllama_chat(server, four[:3], "Three?", MAX_NEW), four[:3])

@@ -1,15 +1,20 @@
 """vLLM's Qwen2.5-VL through ``vllm.LLM`` on the plugin: greedy parity with HF.
 
-One engine for the module (float32, graph mode over explicit buckets, a
-32-token step budget so that chunked prefill cuts through images: every image
-here has 4 to 52 placeholder tokens). HF transformers' ``generate`` on the
-same prompt ids and pixel values (the processor saved with the model: the PIL
-image processor, no torchvision) is the oracle. The language model takes M-RoPE
+One engine for the module (float32, graph mode over explicit buckets on
+``execution: static``, Gaudi's path: attention traced into static graphs per
+bucket, tiled prefill, flat paged decode, two-pass mixed steps, the vision
+tower per patch bucket; a 32-token step budget so that chunked prefill cuts
+through images: every image here has 4 to 52 placeholder tokens). HF
+transformers' ``generate`` on the same prompt ids and pixel values (the
+processor saved with the model: the PIL image processor, no torchvision) is
+the oracle. The language model takes M-RoPE
 positions ([3, T]: temporal, height, width), computed per request by the
 model's own ``get_mrope_input_positions`` and carried through chunks, prefix-cache
 hits and decode (``vllm_hpu_mm.worker.mrope``); the vision tower takes every
 image at its own resolution (flat patches plus one grid row per image), padded
 to a patch bucket by a padding image (``vllm_hpu_mm.worker.vision_buckets``).
+Qwen2.5-VL on the dynamic path (the CPU's default) is served by
+``test_qwen_serve.py``; M-RoPE in dynamic graph mode by ``test_qwen3_vl_moe.py``.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
     engine = image_engine_in_graph_mode(
         model_dir,
         tmp_path_factory,
-        "qwen2_5_vl",
+        "static_qwen2_5_vl",
         "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n",
         BUDGET,
+        execution="static",
     )
     yield from engine_lifetime(engine)
 
@@ -112,3 +118,5 @@ def test_prefix_cache_hit(llm: Any, model_dir: str) -> None:
     _check(llm, model_dir, [case])
     (out,) = _check(llm, model_dir, [case])
     assert out.num_cached_tokens >= 32, out.num_cached_tokens
+    assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0
+    assert read_metric("vllm_hpu_mm:fallback_buckets_total") == 0

@@ -4,7 +4,9 @@ two-pass mixed steps, the flat cross-attention layout and one vision-encoder
 graph per images bucket. One engine, float32, token-identical to HF
 transformers on a batch mixing text, one and two images of different tile
 counts, then the same image prompt again (a prefix-cache hit); no compilation
-while serving.
+while serving. Mllama in graph mode on the dynamic path (the CPU's default: a
+symbolic image count for the vision encoder) is checked by
+``test_bf16_mllama.py``, in float32 eager by ``test_mllama.py``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    register_weight_loader_v2_supported_method,
+)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E501
     CompressedTensorsConfig,
@@ -48,8 +52,12 @@ def _refuse_moe(prefix: str, method: str) -> None:
     )
 
 
+@register_weight_loader_v2_supported_method
 class HpuMMFp8LinearMethod(LinearMethodBase):
-    """A linear layer of an ``fp8`` checkpoint on ``fp8_linear``."""
+    """A linear layer of an ``fp8`` checkpoint on ``fp8_linear``. Its scales
+    are vLLM's scale parameters, which only vLLM's second weight loader
+    (``weight_loader_v2``) places per shard: the decorator lists the class
+    (by name) among the methods that use it, as vLLM's ``Fp8LinearMethod``."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme

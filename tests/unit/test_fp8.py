@@ -182,7 +182,6 @@ def test_gaudi_path_quantizes_activations_and_calls_fp8_gemm_v2(
 ) -> None:
     scheme = Fp8Scheme("tensor", None, static_input, quantize_input=True)
     layer = _loaded_layer(scheme, [16, 8, 16])
-    fp8_linear.process_weights(scheme, layer)
     calls: list[dict[str, object]] = []
 
     def gemm(**kwargs: object) -> torch.Tensor:
@@ -191,6 +190,7 @@ def test_gaudi_path_quantizes_activations_and_calls_fp8_gemm_v2(
 
     sim = device.Fp8Ops(cast=fp8_ops.cast_to_fp8_v2, gemm=gemm)
     monkeypatch.setattr(fp8_linear.device, "fp8_ops", lambda: sim)
+    fp8_linear.process_weights(scheme, layer)
     x = _x(11, t=6).reshape(2, 3, K) * 0.5
     got = fp8_linear.apply(scheme, layer, x, None)
     assert got.shape == (2, 3, 40) and len(calls) == 1
@@ -214,8 +214,8 @@ def test_gaudi_path_quantizes_activations_and_calls_fp8_gemm_v2(
 def test_off_gaudi_and_block_scales_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
     scheme = Fp8Scheme("tensor", None, static_input=False, quantize_input=True)
     layer = _loaded_layer(scheme, [40])
-    fp8_linear.process_weights(scheme, layer)
     monkeypatch.setattr(fp8_linear.device, "fp8_ops", lambda: None)
+    fp8_linear.process_weights(scheme, layer)
     x = _x(12)
     want = x.double() @ (layer.weight.double() * 0.01).t()
     got = fp8_linear.apply(scheme, layer, x, None)

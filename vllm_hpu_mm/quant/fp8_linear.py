@@ -128,6 +128,9 @@ def process_weights(scheme: Fp8Scheme, layer: Any) -> None:
         replace_parameter(layer, "input_scale", layer.input_scale.data.max().float())
     else:
         layer.input_scale = None
+    # Looked up once, here: a compiled forward reads the attribute as a constant
+    # (a device query traced by Dynamo would break the graph).
+    layer.fp8_ops = device.fp8_ops()
 
 
 def apply(
@@ -136,7 +139,7 @@ def apply(
     x: torch.Tensor,  # [..., K]
     bias: torch.Tensor | None,
 ) -> torch.Tensor:  # [..., N]
-    ops = device.fp8_ops()
+    ops = layer.fp8_ops  # device.fp8_ops(), set by process_weights
     if ops is None or scheme.block is not None or not scheme.quantize_input:
         return fp8.linear_dequantized(
             x, layer.weight, layer.weight_scale, scheme.block, bias

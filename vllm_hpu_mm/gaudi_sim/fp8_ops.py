@@ -33,6 +33,13 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+class Counts:
+    """Calls of ``fp8_gemm_v2`` in this process (tests read it; the op's body
+    runs eagerly, also when a compiled graph calls the op)."""
+
+    gemm = 0
+
+
 def cast_to_fp8_v2(
     input: torch.Tensor,
     scale: torch.Tensor | None = None,
@@ -83,6 +90,7 @@ def fp8_gemm_v2(
     accumulate: bool = False,
     B_scale_shape: list[int] | None = None,
 ) -> torch.Tensor:
+    Counts.gemm += 1
     if out_dtype not in GEMM_OUT_DTYPES:
         raise TypeError(
             "fp8_gemm_v2: Output tensor must have torch.float or torch.bfloat16 "

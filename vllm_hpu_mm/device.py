@@ -443,6 +443,28 @@ def rope_kernel() -> RopeKernel | None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Ops:
+    """Habana's FP8 ops as the official Gaudi plugin calls them (vllm-gaudi
+    ``extension/ops.py`` ``apply_fp8_linear_hpu``): ``cast(x, 1 / scale, False,
+    False, torch.float8_e4m3fn)[0]`` and ``gemm(A=, trans_A=, B=, trans_B=, D=,
+    out_dtype=, A_scale_inv=, B_scale_inv=, bias=, accumulate=)``."""
+
+    cast: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gemm: Callable[..., torch.Tensor]
+
+
+def fp8_ops() -> Fp8Ops | None:
+    """``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` on HPU (registered
+    by ``habana_frameworks.torch``, or by the simulated stack), else None: the
+    FP8 linear layers then dequantize their weights per call
+    (``hpu_kernels.fp8``)."""
+    if device_kind() != "hpu":
+        return None
+    _habana()
+    return Fp8Ops(cast=torch.ops.hpu.cast_to_fp8_v2, gemm=torch.ops.hpu.fp8_gemm_v2)
+
+
 # --- HF transformers as the benchmark's reference (vllm-hpu-mm bench --backend hf)
 
 

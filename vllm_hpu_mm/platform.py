@@ -36,10 +36,10 @@ class _HpuMMPlatformBase(Platform):
     # vLLM's own @torch.compile helpers (sampler logprobs, vocab-parallel
     # embedding, CustomOp.maybe_compile) use this backend.
     simple_compile_backend = "inductor"
-    # The quantization methods the plugin runs: none yet. vLLM checks this list
-    # only when it is non-empty, so ``verify_quantization`` refuses every method
-    # itself, at start-up, in the process that parses the config.
-    supported_quantization: list[str] = []
+    # The quantization methods the plugin runs (FP8 weights, vllm_hpu_mm.quant);
+    # ``verify_quantization`` refuses every other one at start-up, in the
+    # process that parses the config.
+    supported_quantization: list[str] = ["fp8", "compressed-tensors"]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -148,14 +148,20 @@ class _HpuMMPlatformBase(Platform):
     def verify_quantization(cls, quant: str) -> None:
         """Refuse a quantized checkpoint (or ``--quantization``) while the config
         is built, before any weight loads: otherwise a method the plugin has no
-        kernels for fails at load time or mid-serving."""
+        kernels for fails at load time or mid-serving. A supported method gets
+        the plugin's config class registered in this process, before vLLM
+        builds the quantization config from it."""
         if quant in cls.supported_quantization:
+            from vllm_hpu_mm.quant.methods import register_quantization
+
+            register_quantization()
             return
         supported = ", ".join(cls.supported_quantization) or "none"
         raise ValueError(
             f"vllm-hpu-mm does not run {quant!r} quantization (the checkpoint's "
             "quantization_config or --quantization). Quantization methods it "
-            f"runs: {supported}; unquantized checkpoints in bfloat16, float16 or "
+            f"runs: {supported} (FP8 weights); unquantized checkpoints in bfloat16, "
+            "float16 or "
             "float32 are served. Use an unquantized checkpoint, or serve this one "
             "with another vLLM platform."
         )

@@ -3,7 +3,7 @@ process that parses the arguments, before any weight loads), with a message
 that names the method and what the plugin runs.
 
 The checkpoints are the tiny Llama with a ``quantization_config`` as AutoAWQ,
-AutoGPTQ and an FP8 exporter write it into ``config.json``; vLLM's own config
+AutoGPTQ and FBGEMM's FP8 exporter write it into ``config.json``; vLLM's own config
 code (``ModelConfig._verify_quantization``) resolves the method and calls the
 platform's ``verify_quantization``.
 """
@@ -35,10 +35,10 @@ QUANT_CONFIGS: dict[str, dict[str, Any]] = {
         "desc_act": False,
         "sym": True,
     },
-    "fp8": {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [32, 32],
+    "fbgemm_fp8": {  # FP8 too, but not a format the plugin runs
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": [],
     },
 }
 
@@ -60,12 +60,19 @@ def test_quantized_checkpoint_is_refused_at_config_time(
         EngineArgs(model=model).create_engine_config()
     message = str(info.value)
     assert method in message  # 'awq' is resolved to 'auto_awq' and so on
-    assert "Quantization methods it runs: none" in message
+    assert "Quantization methods it runs: fp8, compressed-tensors" in message
 
 
 def test_unquantized_checkpoint_still_builds(tiny_llama_dir: str) -> None:
     config = EngineArgs(model=tiny_llama_dir).create_engine_config()
     assert config.model_config.quantization is None
+
+
+def test_an_fp8_checkpoint_builds(tiny_llama_dir: str, tmp_path: Path) -> None:
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    model = _quantized_copy(tiny_llama_dir, tmp_path / "fp8", fp8)
+    config = EngineArgs(model=model, dtype="float32").create_engine_config()
+    assert config.model_config.quantization == "fp8"
 
 
 @pytest.mark.parametrize("platform", [CpuMMPlatform, HpuMMPlatform])

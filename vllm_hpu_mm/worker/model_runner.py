@@ -44,6 +44,7 @@ from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.multimodal.placeholders import request_chunks
 from vllm_hpu_mm.plan import ExecutionPlan, plan_of
 from vllm_hpu_mm.platform_config import is_mm_prefix_lm
+from vllm_hpu_mm.quant.memory import weight_memory_line
 from vllm_hpu_mm.worker import cpu_linear
 from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
@@ -164,6 +165,9 @@ class HpuMMModelRunner:
                 self.lora = LoraAdapters(self.model, self.vllm_config, self.device)
                 self.model = self.lora.model
         configure_head(self.model, self.vllm_config.model_config)
+        dtype = self.model_config.dtype  # resolved to a torch.dtype by now
+        assert isinstance(dtype, torch.dtype), dtype
+        logger.info("%s", weight_memory_line(self.model, dtype))
         prepack = self.plugin_config.memory.cpu_prepacked_linear
         if prepack and self.plan.prepack_linear and cpu_linear.supported():
             packed = cpu_linear.pack_linear_weights(self.model)

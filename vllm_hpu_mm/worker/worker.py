@@ -86,6 +86,10 @@ class HpuMMWorker(WorkerBase):
         from vllm_hpu_mm.moe import register_moe_method
 
         register_moe_method()  # MoE layers on the plugin's experts kernel
+        if self.model_config.quantization is not None:
+            from vllm_hpu_mm.quant.methods import register_quantization
+
+            register_quantization()  # FP8 linear layers (vllm_hpu_mm.quant)
         init_distributed_environment(
             pc.world_size,
             self.rank,

@@ -1,24 +1,27 @@
-"""vLLM's in-tree Qwen2.5-VL, served for images without torchvision.
+"""vLLM's in-tree Qwen2.5-VL and Qwen3-VL, served for images and video without
+torchvision.
 
-transformers 5 builds ``Qwen2_5_VLProcessor`` only together with a video processor,
-and every Qwen video processor it has is torchvision-based (``BaseVideoProcessor``
-is a torchvision backend); ``ProcessorMixin`` refuses ``video_processor=None``.
-This environment has no working torchvision (the registry's wheel does not load
-beside the CPU torch; the matching torch + torchvision pair is a 5.5 GB CUDA
-build). The plugin therefore takes a PIL-only path, as it does for LLaVA's
-Pixtral import (``models.compat``):
+transformers 5 builds ``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` only
+together with a video processor, and every Qwen video processor it has is
+torchvision-based (``BaseVideoProcessor`` is a torchvision backend);
+``ProcessorMixin`` refuses ``video_processor=None``. This environment has no
+working torchvision (the registry's wheel does not load beside the CPU torch;
+the matching torch + torchvision pair is a 5.5 GB CUDA build). The plugin
+therefore takes a torchvision-free path, as it does for LLaVA's Pixtral import
+(``models.compat``):
 
-- ``Qwen2_5_VLImageProcessor`` (``models.qwen_processor``): ``Qwen2_5_VLProcessor`` without the video
-  sub-processor (its sub-processors are read from ``__init__``'s signature, so
-  ``from_pretrained`` loads the tokenizer and the PIL image processor only). A
-  released checkpoint's files load into it unchanged; image inputs are processed
-  exactly as by ``Qwen2_5_VLProcessor`` (the same ``__call__``);
-- ``Qwen2_5_VLForConditionalGeneration``: vLLM's class, with processing info that
-  builds that processor and offers the image modality only (video requests are
-  refused by vLLM's per-prompt limit check, as for any unsupported modality).
+- ``Qwen2_5_VLImageProcessor`` / ``Qwen3VLImageProcessor``
+  (``models.qwen_processor``): transformers' processor classes built from the
+  tokenizer and the PIL image processor, with the numpy/torch video processor
+  of ``models.qwen_video`` attached. A released checkpoint's files load into
+  them unchanged; inputs are processed by transformers' own ``__call__``;
+- the ``*ForConditionalGeneration`` classes below: vLLM's, with processing info
+  that builds those processors. Qwen2.5-VL offers images and video (vLLM's
+  video loader, OpenCV, decodes the frames); Qwen3-VL and Qwen3-VL-MoE offer
+  images only for now.
 
 Registered only when torchvision does not work (``models.register_all``); with
-torchvision vLLM's own class and processor serve video as well.
+torchvision vLLM's own classes and processors serve video as well.
 
 When it can go: once torchvision is part of the environment.
 """
@@ -40,11 +43,10 @@ from vllm_hpu_mm.models.qwen_processor import (
 
 
 class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
+    """Qwen2.5-VL's processing info over the torchvision-free processor."""
+
     def get_hf_processor(self, **kwargs: object) -> Qwen2_5_VLImageProcessor:  # type: ignore[override]
         return self.ctx.get_hf_processor(Qwen2_5_VLImageProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -53,7 +55,7 @@ class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
     dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
 )
 class Qwen2_5_VLForConditionalGeneration(qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
-    """vLLM's Qwen2.5-VL with the images-only processor."""
+    """vLLM's Qwen2.5-VL with the torchvision-free processor."""
 
 
 class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):

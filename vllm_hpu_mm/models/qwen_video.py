@@ -41,7 +41,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as qwen2_smart_resize,
 )
 from transformers.processing_utils import VideosKwargs
-from transformers.video_utils import VideoMetadata, make_batched_metadata
+from transformers.video_utils import (
+    VideoMetadata,
+    make_batched_metadata,
+    make_batched_videos,
+)
 
 Family = Literal["qwen2", "qwen3"]
 # PIL resample codes -> interpolate modes with a native uint8 CPU kernel (the
@@ -404,10 +408,9 @@ class QwenVideoProcessor:
 
     def __call__(self, videos: Any, **kwargs: Any) -> BatchFeature:
         cfg = self._with({k: v for k, v in kwargs.items() if k not in _CALL_ONLY})
-        if not isinstance(videos, (list, tuple)) or (
-            len(videos) and np.asarray(videos[0]).ndim == 3
-        ):
-            videos = [videos]
+        # One video, a list of videos, or vLLM's per-item [[video]]: a flat
+        # list of [T, H, W, C] (or [T, C, H, W]) arrays, as transformers does.
+        videos = make_batched_videos(videos) if len(videos) else []
         frames = [as_frames(v) for v in videos]
         metadata = make_batched_metadata(
             [f.permute(0, 2, 3, 1).numpy() for f in frames],

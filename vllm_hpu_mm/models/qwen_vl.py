@@ -16,9 +16,8 @@ therefore takes a torchvision-free path, as it does for LLaVA's Pixtral import
   of ``models.qwen_video`` attached. A released checkpoint's files load into
   them unchanged; inputs are processed by transformers' own ``__call__``;
 - the ``*ForConditionalGeneration`` classes below: vLLM's, with processing info
-  that builds those processors. Qwen2.5-VL offers images and video (vLLM's
-  video loader, OpenCV, decodes the frames); Qwen3-VL and Qwen3-VL-MoE offer
-  images only for now.
+  that builds those processors. Both modalities are offered; vLLM's video
+  loader (OpenCV) decodes the frames.
 
 Registered only when torchvision does not work (``models.register_all``); with
 torchvision vLLM's own classes and processors serve video as well.
@@ -59,23 +58,12 @@ class Qwen2_5_VLForConditionalGeneration(qwen2_5_vl.Qwen2_5_VLForConditionalGene
 
 
 class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
+    """Qwen3-VL's processing info over the torchvision-free processor (images
+    and video; vLLM recognises its video processor through
+    ``compat.use_torchvision_free_qwen3_video_processor``)."""
+
     def get_hf_processor(self, **kwargs: object) -> Qwen3VLImageProcessor:  # type: ignore[override]
         return self.ctx.get_hf_processor(Qwen3VLImageProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
-
-    def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
-        # Qwen3-VL's own adds video pixel bounds to a video scope that an
-        # images-only processor does not have: skip to its parent's.
-        parent = qwen3_vl.Qwen3VLProcessingInfo
-        return super(parent, self).get_supported_mm_processor_kwargs()
-
-    def get_mm_max_tokens_per_item(
-        self, seq_len: int, mm_counts: Mapping[str, int]
-    ) -> Mapping[str, int]:
-        # Qwen3-VL's video token count reads the video processor.
-        return {"image": self.get_max_image_tokens()}
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -84,13 +72,28 @@ class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
     dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder,
 )
 class Qwen3VLForConditionalGeneration(qwen3_vl.Qwen3VLForConditionalGeneration):
-    """vLLM's Qwen3-VL with the images-only processor."""
+    """vLLM's Qwen3-VL with the torchvision-free processor."""
 
 
 class Qwen3VLMoeImagesOnlyProcessingInfo(
     Qwen3VLImagesOnlyProcessingInfo, qwen3_vl_moe.Qwen3VLMoeProcessingInfo
 ):
-    """Qwen3-VL's images-only info over the MoE model's config class."""
+    """Qwen3-VL's info over the MoE model's config class; images only (video
+    on the MoE model is not tested yet)."""
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+    def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
+        # Qwen3-VL's own adds video pixel bounds to the video scope: skip to
+        # its parent's, as for an images-only model.
+        parent = qwen3_vl.Qwen3VLProcessingInfo
+        return super(parent, self).get_supported_mm_processor_kwargs()
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        return {"image": self.get_max_image_tokens()}
 
 
 @MULTIMODAL_REGISTRY.register_processor(

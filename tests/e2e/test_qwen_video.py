@@ -1,6 +1,7 @@
-"""Video through ``vllm.LLM`` with the tiny Qwen2.5-VL: greedy parity with HF.
+"""Video through ``vllm.LLM`` with the tiny Qwen2.5-VL and Qwen3-VL: greedy
+parity with HF.
 
-One engine for the module (float32, graph mode over explicit buckets, a
+One engine per model (float32, graph mode over explicit buckets, a
 32-token step budget so that chunked prefill cuts through every video here:
 each has 48 to 72 placeholder tokens). The videos are short MJPG clips written
 with OpenCV and decoded by vLLM's own loader, as the server decodes a
@@ -119,3 +120,39 @@ def test_prefix_cache_hit_inside_a_video(
     check_video_parity(llm, model_dir, [case], MAX_NEW)
     (out,) = check_video_parity(llm, model_dir, [case], MAX_NEW)
     assert out.num_cached_tokens >= 32, out.num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def llm_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from vllm import LLM
+
+    engine = LLM(
+        model=tiny_qwen_dir("tiny-qwen3-vl"),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=BUDGET,
+        limit_mm_per_prompt={"image": 1, "video": 1},
+        seed=0,
+        additional_config=compiled_with_buckets(
+            tmp_path_factory,
+            "qwen3_video",
+            "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n",
+        ),
+    )
+    yield from engine_lifetime(engine)
+
+
+def test_qwen3_vl_video_with_timestamps(
+    llm_qwen3: Any, videos: dict[str, Video]
+) -> None:
+    # Qwen3-VL: the processor samples 2 fps and writes "<t seconds>" before
+    # each temporal patch (vLLM's prompt update and transformers' processor
+    # alike); deep-stack features ride with the video rows.
+    image = make_image("gradient", (40, 24), 2)
+    cases = [
+        (qwen_video_prompt(0, 1), [], [videos["short"]]),
+        (qwen_video_prompt(1, 1, "Mixed?"), [image], [videos["odd"]]),
+    ]
+    check_video_parity(llm_qwen3, tiny_qwen_dir("tiny-qwen3-vl"), cases, MAX_NEW)
+    assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0

@@ -178,10 +178,11 @@ def qwen_video_prompt(images: int, videos: int, question: str = "What happens?")
     """A user turn with ``images`` image then ``videos`` video placeholders."""
     from vllm_hpu_mm.models.qwen_processor import QWEN_VIDEO_PROMPT
 
-    return qwen_prompt(images, question, preamble="") if not videos else (
+    media = specs.QWEN_IMAGE_PLACEHOLDER * images + QWEN_VIDEO_PROMPT * videos
+    return (
         "<|start_header_id|>user<|end_header_id|>\n\n"
-        f"{specs.QWEN_IMAGE_PLACEHOLDER * images}{QWEN_VIDEO_PROMPT * videos}"
-        f"{question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        f"{media}{question}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
 
 

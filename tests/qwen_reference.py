@@ -127,3 +127,130 @@ def check_parity(
         assert list(out.prompt_token_ids) == want_prompt, f"case {i}: prompt ids"
         assert list(out.outputs[0].token_ids) == want, f"case {i}: {prompt!r}"
     return outputs
+
+
+# --- video ------------------------------------------------------------------
+
+Video = tuple[Any, dict[str, Any]]  # (frames [T, H, W, 3] uint8, vLLM's metadata)
+
+
+def write_video(
+    path: Any,
+    frames: int = 6,
+    size: tuple[int, int] = (48, 32),
+    fps: float = 4.0,
+    variant: int = 0,
+) -> Any:
+    """A short MJPG AVI of moving colour bands written with OpenCV; ``size`` is
+    (width, height). Returns ``path``."""
+    import cv2
+    import numpy as np
+
+    width, height = size
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, size)
+    assert writer.isOpened(), f"OpenCV cannot write {path}"
+    xs, ys = np.meshgrid(np.arange(width), np.arange(height))
+    for t in range(frames):
+        frame = np.stack(
+            [
+                (xs * 5 + t * 30 + variant * 50) % 256,
+                (ys * 7 + variant * 20) % 256,
+                np.full_like(xs, (t * 40 + variant * 90) % 256),
+            ],
+            -1,
+        ).astype(np.uint8)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def load_video(path: Any, num_frames: int = 32) -> Video:
+    """``path`` decoded as the server decodes a ``video_url``: vLLM's video
+    loader (OpenCV), up to ``num_frames`` frames, with its metadata."""
+    from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
+
+    loaded = VideoMediaIO(ImageMediaIO(), num_frames=num_frames).load_file(path)
+    frames, metadata = getattr(loaded, "media", loaded)
+    return frames, dict(metadata)
+
+
+def qwen_video_prompt(images: int, videos: int, question: str = "What happens?") -> str:
+    """A user turn with ``images`` image then ``videos`` video placeholders."""
+    from vllm_hpu_mm.models.qwen_processor import QWEN_VIDEO_PROMPT
+
+    media = specs.QWEN_IMAGE_PLACEHOLDER * images + QWEN_VIDEO_PROMPT * videos
+    return (
+        "<|start_header_id|>user<|end_header_id|>\n\n"
+        f"{media}{question}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+def hf_qwen_video_inputs(
+    model_dir: str,
+    prompt: str,
+    images: Sequence[Any],
+    videos: Sequence[Video],
+    add_special_tokens: bool = True,
+) -> Any:
+    """The processor's inputs for images and videos: transformers' processor
+    ``__call__`` with the torchvision-free video processor, each video's
+    metadata as vLLM passes it (its frames already sampled by the loader)."""
+    from transformers.video_utils import VideoMetadata
+
+    processor = load_hf_qwen_processor(model_dir)
+    metadata = [
+        VideoMetadata(**{k: v for k, v in m.items() if k != "do_sample_frames"})
+        for _, m in videos
+    ]
+    return processor(
+        text=[prompt],
+        images=list(images) or None,
+        videos=[frames for frames, _ in videos] or None,
+        video_metadata=metadata or None,
+        return_tensors="pt",
+        add_special_tokens=add_special_tokens,
+    )
+
+
+def hf_qwen_video_greedy(
+    model_dir: str,
+    prompt: str,
+    images: Sequence[Any],
+    videos: Sequence[Video],
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy ids) of HF's model on the processor's inputs
+    (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``)."""
+    model = load_hf_qwen(model_dir)
+    inputs = hf_qwen_video_inputs(model_dir, prompt, images, videos, add_special_tokens)
+    inputs.pop("video_metadata", None)
+    return inputs["input_ids"][0].tolist(), hf_vlm_greedy(model, inputs, max_new_tokens)
+
+
+VideoCase = tuple[str, list[Any], list[Video]]  # (prompt, images, videos)
+
+
+def check_video_parity(
+    llm: Any, model_dir: str, cases: Sequence[VideoCase], max_new_tokens: int
+) -> list[Any]:
+    """``check_parity`` for prompts with videos (and images)."""
+    requests = []
+    for prompt, images, videos in cases:
+        data: dict[str, Any] = {}
+        if images:
+            data["image"] = images
+        if videos:
+            data["video"] = videos
+        requests.append({"prompt": prompt, "multi_modal_data": data})
+    outputs = greedy_generate(llm, requests, max_new_tokens)
+    for i, ((prompt, images, videos), out) in enumerate(
+        zip(cases, outputs, strict=True)
+    ):
+        want_prompt, want = hf_qwen_video_greedy(
+            model_dir, prompt, images, videos, max_new_tokens
+        )
+        assert list(out.prompt_token_ids) == want_prompt, f"case {i}: prompt ids"
+        assert list(out.outputs[0].token_ids) == want, f"case {i}: {prompt!r}"
+    return outputs

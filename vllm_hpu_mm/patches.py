@@ -11,7 +11,9 @@ These live beside the code they serve, each with its reason written there:
 
 - ``models/compat.py``: ``sys.modules`` entries for transformers' torchvision
   image processors (Pixtral, Qwen2-VL, Gemma 3) pointed at their PIL twins
-  when torchvision does not import, before vLLM imports its model modules.
+  when torchvision does not import, before vLLM imports its model modules;
+  likewise ``transformers.models.qwen3_vl.Qwen3VLVideoProcessor`` bound to the
+  plugin's torchvision-free class (``models/qwen_video.py``).
 - ``worker/graphs.py``: in graph mode each decoder layer's ``forward`` is
   replaced by a call of its compiled region, its attention layers'
   ``layer_name`` by a per-position alias, and the forward context's

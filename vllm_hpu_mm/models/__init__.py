@@ -17,6 +17,7 @@ def register_all() -> None:
         use_pil_gemma3_image_processor,
         use_pil_pixtral_image_processor,
         use_pil_qwen2_vl_image_processor,
+        use_torchvision_free_qwen3_video_processor,
     )
 
     # vLLM's llava.py imports its Pixtral code, whose transformers image
@@ -24,6 +25,8 @@ def register_all() -> None:
     use_pil_pixtral_image_processor()
     # The same for vLLM's Qwen2-VL family (Qwen2.5-VL, Qwen3-VL).
     use_pil_qwen2_vl_image_processor()
+    # vLLM's Qwen3-VL recognises video processors by transformers' class.
+    use_torchvision_free_qwen3_video_processor()
     # Likewise gemma3_mm.py names the torchvision Gemma 3 image processor.
     use_pil_gemma3_image_processor()
 

@@ -170,3 +170,35 @@ def use_pil_gemma3_image_processor() -> None:
     )
     shim.Gemma3ImageProcessor = pil_module.Gemma3ImageProcessorPil  # type: ignore[attr-defined]
     sys.modules[TORCHVISION_GEMMA3_MODULE] = shim
+
+
+# vLLM 0.33: qwen3_vl.py does ``from transformers.models.qwen3_vl import
+# Qwen3VLVideoProcessor`` and counts video tokens only for processors that are
+# ``isinstance`` of it; without torchvision transformers' lazy module hands out
+# a placeholder class that nothing is an instance of.
+QWEN3_VL_PACKAGE = "transformers.models.qwen3_vl"
+
+
+def use_torchvision_free_qwen3_video_processor() -> None:
+    """Bind ``Qwen3VLVideoProcessor`` in ``transformers.models.qwen3_vl`` (and in
+    vLLM's ``qwen3_vl`` if already imported) to the plugin's torchvision-free
+    class (``models.qwen_video.Qwen3VLVideoProcessorNoTV``).
+
+    Why: vLLM's Qwen3-VL processing info picks the video ``smart_resize`` (and
+    the video token count) by ``isinstance(processor, Qwen3VLVideoProcessor)``;
+    with the placeholder every video would be counted as an image.
+
+    When: from the plugin's model registration, before vLLM imports its Qwen3-VL
+    module. Does nothing when torchvision works (idempotent).
+
+    When it can go: as for ``use_pil_qwen2_vl_image_processor``.
+    """
+    if torchvision_works():
+        return
+    from vllm_hpu_mm.models.qwen_video import Qwen3VLVideoProcessorNoTV
+
+    package = importlib.import_module(QWEN3_VL_PACKAGE)
+    package.Qwen3VLVideoProcessor = Qwen3VLVideoProcessorNoTV  # type: ignore[attr-defined]
+    vllm_module = sys.modules.get("vllm.model_executor.models.qwen3_vl")
+    if vllm_module is not None:
+        vllm_module.Qwen3VLVideoProcessor = Qwen3VLVideoProcessorNoTV  # type: ignore[attr-defined]

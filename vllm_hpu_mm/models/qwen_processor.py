@@ -1,8 +1,15 @@
-"""The images-only Qwen2.5-VL processor (transformers only, no vLLM, no torchvision).
+"""The Qwen2.5-VL and Qwen3-VL processors without torchvision (transformers only,
+no vLLM).
 
-Why it exists: see ``vllm_hpu_mm.models.qwen_vl``. The tiny model builder saves
-through it and the HF reference of the tests loads through it, so vLLM and HF
-get the same prompt ids and pixel values.
+Why they exist: see ``vllm_hpu_mm.models.qwen_vl``. Each is transformers'
+processor class built from the tokenizer and the PIL image processor (its
+``__init__`` names only those two, so ``ProcessorMixin`` loads nothing that
+needs torchvision), with the torchvision-free video processor of
+``models.qwen_video`` attached by ``from_pretrained``: transformers' own
+``__call__`` then expands video placeholders (Qwen3-VL's timestamps included)
+from that processor's output. The tiny model builder saves through them and the
+HF reference of the tests loads through them, so vLLM and HF get the same prompt
+ids and pixel values.
 """
 
 from __future__ import annotations
@@ -13,9 +20,32 @@ from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from vllm_hpu_mm.models.qwen_video import (
+    Qwen2VLVideoProcessorNoTV,
+    Qwen3VLVideoProcessorNoTV,
+    QwenVideoProcessor,
+)
+
+
+def _attach_video_processor(
+    processor: Any, video_cls: type[QwenVideoProcessor], model_dir: Any
+) -> Any:
+    """``processor`` with the checkpoint's torchvision-free video processor (its
+    image settings when the checkpoint saved none for video)."""
+    processor.video_processor = video_cls.from_pretrained(model_dir)
+    return processor
+
 
 class Qwen2_5_VLImageProcessor(Qwen2_5_VLProcessor):
-    """``Qwen2_5_VLProcessor`` for images only: no video sub-processor."""
+    """``Qwen2_5_VLProcessor`` with the PIL image processor and the
+    torchvision-free video processor."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        processor = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return _attach_video_processor(
+            processor, Qwen2VLVideoProcessorNoTV, pretrained_model_name_or_path
+        )
 
     def __init__(
         self,
@@ -36,7 +66,15 @@ class Qwen2_5_VLImageProcessor(Qwen2_5_VLProcessor):
 
 
 class Qwen3VLImageProcessor(Qwen3VLProcessor):
-    """``Qwen3VLProcessor`` for images only: no video sub-processor."""
+    """``Qwen3VLProcessor`` with the PIL image processor and the
+    torchvision-free video processor."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        processor = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return _attach_video_processor(
+            processor, Qwen3VLVideoProcessorNoTV, pretrained_model_name_or_path
+        )
 
     def __init__(
         self,
@@ -70,6 +108,9 @@ IMAGES_ONLY: dict[str, type[ProcessorMixin]] = {
 # The text one image stands for in a Qwen prompt (the processor expands the pad
 # to the image's merged-patch count; vLLM's prompt update does the same).
 QWEN_IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
+# The same for one video (expanded to its merged patches; by Qwen3-VL's
+# processor to one "<t seconds>" + vision span per temporal patch).
+QWEN_VIDEO_PROMPT = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def load_processor(model_path: str) -> Any:

@@ -1,24 +1,26 @@
-"""vLLM's in-tree Qwen2.5-VL, served for images without torchvision.
+"""vLLM's in-tree Qwen2.5-VL and Qwen3-VL, served for images and video without
+torchvision.
 
-transformers 5 builds ``Qwen2_5_VLProcessor`` only together with a video processor,
-and every Qwen video processor it has is torchvision-based (``BaseVideoProcessor``
-is a torchvision backend); ``ProcessorMixin`` refuses ``video_processor=None``.
-This environment has no working torchvision (the registry's wheel does not load
-beside the CPU torch; the matching torch + torchvision pair is a 5.5 GB CUDA
-build). The plugin therefore takes a PIL-only path, as it does for LLaVA's
-Pixtral import (``models.compat``):
+transformers 5 builds ``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` only
+together with a video processor, and every Qwen video processor it has is
+torchvision-based (``BaseVideoProcessor`` is a torchvision backend);
+``ProcessorMixin`` refuses ``video_processor=None``. This environment has no
+working torchvision (the registry's wheel does not load beside the CPU torch;
+the matching torch + torchvision pair is a 5.5 GB CUDA build). The plugin
+therefore takes a torchvision-free path, as it does for LLaVA's Pixtral import
+(``models.compat``):
 
-- ``Qwen2_5_VLImageProcessor`` (``models.qwen_processor``): ``Qwen2_5_VLProcessor`` without the video
-  sub-processor (its sub-processors are read from ``__init__``'s signature, so
-  ``from_pretrained`` loads the tokenizer and the PIL image processor only). A
-  released checkpoint's files load into it unchanged; image inputs are processed
-  exactly as by ``Qwen2_5_VLProcessor`` (the same ``__call__``);
-- ``Qwen2_5_VLForConditionalGeneration``: vLLM's class, with processing info that
-  builds that processor and offers the image modality only (video requests are
-  refused by vLLM's per-prompt limit check, as for any unsupported modality).
+- ``Qwen2_5_VLImageProcessor`` / ``Qwen3VLImageProcessor``
+  (``models.qwen_processor``): transformers' processor classes built from the
+  tokenizer and the PIL image processor, with the numpy/torch video processor
+  of ``models.qwen_video`` attached. A released checkpoint's files load into
+  them unchanged; inputs are processed by transformers' own ``__call__``;
+- the ``*ForConditionalGeneration`` classes below: vLLM's, with processing info
+  that builds those processors. Both modalities are offered; vLLM's video
+  loader (OpenCV) decodes the frames.
 
 Registered only when torchvision does not work (``models.register_all``); with
-torchvision vLLM's own class and processor serve video as well.
+torchvision vLLM's own classes and processors serve video as well.
 
 When it can go: once torchvision is part of the environment.
 """
@@ -40,11 +42,10 @@ from vllm_hpu_mm.models.qwen_processor import (
 
 
 class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
+    """Qwen2.5-VL's processing info over the torchvision-free processor."""
+
     def get_hf_processor(self, **kwargs: object) -> Qwen2_5_VLImageProcessor:  # type: ignore[override]
         return self.ctx.get_hf_processor(Qwen2_5_VLImageProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -53,27 +54,16 @@ class ImagesOnlyProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
     dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
 )
 class Qwen2_5_VLForConditionalGeneration(qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
-    """vLLM's Qwen2.5-VL with the images-only processor."""
+    """vLLM's Qwen2.5-VL with the torchvision-free processor."""
 
 
 class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
+    """Qwen3-VL's processing info over the torchvision-free processor (images
+    and video; vLLM recognises its video processor through
+    ``compat.use_torchvision_free_qwen3_video_processor``)."""
+
     def get_hf_processor(self, **kwargs: object) -> Qwen3VLImageProcessor:  # type: ignore[override]
         return self.ctx.get_hf_processor(Qwen3VLImageProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
-
-    def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
-        # Qwen3-VL's own adds video pixel bounds to a video scope that an
-        # images-only processor does not have: skip to its parent's.
-        parent = qwen3_vl.Qwen3VLProcessingInfo
-        return super(parent, self).get_supported_mm_processor_kwargs()
-
-    def get_mm_max_tokens_per_item(
-        self, seq_len: int, mm_counts: Mapping[str, int]
-    ) -> Mapping[str, int]:
-        # Qwen3-VL's video token count reads the video processor.
-        return {"image": self.get_max_image_tokens()}
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -82,13 +72,28 @@ class Qwen3VLImagesOnlyProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
     dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder,
 )
 class Qwen3VLForConditionalGeneration(qwen3_vl.Qwen3VLForConditionalGeneration):
-    """vLLM's Qwen3-VL with the images-only processor."""
+    """vLLM's Qwen3-VL with the torchvision-free processor."""
 
 
 class Qwen3VLMoeImagesOnlyProcessingInfo(
     Qwen3VLImagesOnlyProcessingInfo, qwen3_vl_moe.Qwen3VLMoeProcessingInfo
 ):
-    """Qwen3-VL's images-only info over the MoE model's config class."""
+    """Qwen3-VL's info over the MoE model's config class; images only (video
+    on the MoE model is not tested yet)."""
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+    def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
+        # Qwen3-VL's own adds video pixel bounds to the video scope: skip to
+        # its parent's, as for an images-only model.
+        parent = qwen3_vl.Qwen3VLProcessingInfo
+        return super(parent, self).get_supported_mm_processor_kwargs()
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        return {"image": self.get_max_image_tokens()}
 
 
 @MULTIMODAL_REGISTRY.register_processor(

@@ -1,4 +1,5 @@
-"""vLLM glue for the image checks: a media connector of vLLM's own registry.
+"""vLLM glue for the image and video checks: a media connector of vLLM's own
+registry.
 
 vLLM decodes ``image_url`` parts in the API server through the media
 connector named by ``VLLM_MEDIA_CONNECTOR`` (registry
@@ -7,7 +8,8 @@ connector named by ``VLLM_MEDIA_CONNECTOR`` (registry
 image loader that reads the header before decoding (``image_checks``) and
 turns every decoding failure into a 400 that names it, plus 400s (not 500 or
 501) for ``file://`` URLs on a server without ``--allowed-local-media-path``
-and for data URLs that are not base64.
+and for data URLs that are not base64. ``video_url`` parts go through the
+header-checked video loader of ``video_checks``.
 
 An ``http(s)`` URL that cannot be fetched is the client's problem too: vLLM
 passes connection errors, DNS failures, timeouts and 5xx answers of the image
@@ -37,6 +39,7 @@ from vllm.multimodal.media.image import ImageMediaIO
 
 from vllm_hpu_mm.serving.errors import RequestRejected
 from vllm_hpu_mm.serving.image_checks import read_header, to_rgb
+from vllm_hpu_mm.serving.video_checks import CheckedVideoMediaIO
 
 logger = logging.getLogger("vllm.hpu_mm.serving")
 
@@ -165,6 +168,44 @@ class CheckedMediaConnector(MediaConnector):
         return CheckedImageMediaIO(
             **({"image_mode": image_mode} | self.media_io_kwargs.get("image", {})),
             decoded_budget=self.decoded_budget,
+        )
+
+    def _video_io(self, image_mode: str | None, video_processor: str | None) -> Any:
+        """vLLM's ``fetch_video`` video loader, header-checked
+        (``video_checks``)."""
+        from vllm.multimodal.video import get_video_loader_backend_for_processor
+
+        kwargs = dict(self.media_io_kwargs.get("video", {}))
+        if "video_backend" not in kwargs and (
+            backend := get_video_loader_backend_for_processor(video_processor)
+        ):
+            kwargs["video_backend"] = backend
+        return CheckedVideoMediaIO(self._image_io(image_mode), **kwargs)
+
+    def fetch_video(
+        self,
+        video_url: str,
+        *,
+        image_mode: str | None = "RGB",
+        video_processor: str | None = None,
+    ) -> Any:
+        return self.load_from_url(
+            video_url,
+            self._video_io(image_mode, video_processor),
+            fetch_timeout=envs.VLLM_VIDEO_FETCH_TIMEOUT,
+        )
+
+    async def fetch_video_async(
+        self,
+        video_url: str,
+        *,
+        image_mode: str | None = "RGB",
+        video_processor: str | None = None,
+    ) -> Any:
+        return await self.load_from_url_async(
+            video_url,
+            self._video_io(image_mode, video_processor),
+            fetch_timeout=envs.VLLM_VIDEO_FETCH_TIMEOUT,
         )
 
     def load_from_url(

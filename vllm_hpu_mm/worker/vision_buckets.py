@@ -41,6 +41,12 @@ from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 
 logger = logging.getLogger("vllm.hpu_mm.vision")
 
+# (patches, grids) of the two modalities the Qwen towers take.
+PIXEL_KEYS = (
+    ("pixel_values", "image_grid_thw"),
+    ("pixel_values_videos", "video_grid_thw"),
+)
+
 
 def supports_patch_buckets(model: Any) -> bool:
     """The model's vision tower takes precomputed metadata (Qwen2.5-VL's does)."""
@@ -157,11 +163,15 @@ class PatchBucketEncoder:
         return self._tower(pixels, self._metadata(grids, bucket))
 
     def __call__(self, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        """One output [tokens, hidden] per image of a batch of image kwargs."""
-        if "pixel_values" not in kwargs or "image_grid_thw" not in kwargs:
+        """One output [tokens, hidden] per item of a batch of image or video
+        kwargs. A video is one item of grid (t, h, w): the tower runs each of
+        its t temporal patches as its own attention segment, as it does t
+        images, so videos share the image buckets."""
+        keys = next((k for k in PIXEL_KEYS if set(k) <= kwargs.keys()), None)
+        if keys is None:
             return list(self.model.embed_multimodal(**kwargs))  # e.g. embeddings
-        pixels: torch.Tensor = kwargs["pixel_values"]
-        grids: list[list[int]] = kwargs["image_grid_thw"].tolist()
+        pixels: torch.Tensor = kwargs[keys[0]]
+        grids: list[list[int]] = kwargs[keys[1]].tolist()
         patches = [t * h * w for t, h, w in grids]
         starts = [0]
         for p in patches:

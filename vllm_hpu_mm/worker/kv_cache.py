@@ -24,9 +24,7 @@ def kv_cache_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
     return specs
 
 
-def new_kv_cache(
-    spec: AttentionSpec, num_blocks: int, device: torch.device
-) -> KVCache:
+def new_kv_cache(spec: AttentionSpec, num_blocks: int, device: torch.device) -> KVCache:
     """One layer's zeroed cache: a K and a V tensor of ``[num_blocks *
     block_size, Hkv, D]``, allocated separately (not views of one tensor:
     inside an ``hpu_backend`` graph each is then an input of its own, written
@@ -44,9 +42,7 @@ def new_kv_cache(
 
 
 def kv_cache_bytes(caches: dict[str, KVCache]) -> int:
-    return sum(
-        t.numel() * t.element_size() for kv in caches.values() for t in kv[:2]
-    )
+    return sum(t.numel() * t.element_size() for kv in caches.values() for t in kv[:2])
 
 
 def allocate_kv_caches(

@@ -105,9 +105,9 @@ def blocks_of(cache: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def kv_cache_of_stacked(stacked: torch.Tensor) -> KVCache:
     """A ``KVCache`` over the two halves of one ``[2, NB, BS, Hkv, D]`` tensor
-    (views: writes land in ``stacked``). For eager callers and tests only: in
-    a graph compiled by ``hpu_backend`` two views of one input are what costs
-    a whole-cache copy (see ``KVCache``)."""
+    (views: writes land in ``stacked``). For eager callers and tests only:
+    inside a graph compiled by ``hpu_backend``, K and V views taken of one
+    ``[2, ...]`` input are what costs a whole-cache copy (see ``KVCache``)."""
     _, num_blocks, block_size, num_kv_heads, head = stacked.shape
     flat = stacked.view(2, num_blocks * block_size, num_kv_heads, head)
     return KVCache(flat[0], flat[1], block_size)

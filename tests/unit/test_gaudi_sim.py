@@ -132,7 +132,9 @@ def test_the_reinplaced_write_is_in_place_and_reads_see_it(habana: FakeHabana) -
         c.index_copy_(0, s, k)
         return c.index_select(0, s) * 2
 
+    before = compiler.InputCopies.count
     out = _hpu_compile(write_then_read)(flat, key, slots)
+    assert compiler.InputCopies.count == before  # the copy_ was reinplaced
     assert flat.data_ptr() == ptr
     assert torch.equal(flat[slots], key) and torch.equal(out, key * 2)
 

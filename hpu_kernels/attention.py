@@ -1,9 +1,12 @@
 """Paged attention in pure PyTorch, with static shapes and no Python loops.
 
-KV cache of one layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head]``
-(index 0 keys, 1 values). Slot ``s`` is row ``s`` of the cache viewed as
-``[2, num_blocks * block_size, num_kv_heads, head]``. Block 0 is vLLM's null block:
-no request ever owns it, so padding writes its slots and padding reads mask it.
+KV cache of one layer: a ``KVCache``, a key and a value tensor of
+``[num_blocks * block_size, num_kv_heads, head]`` each, two tensors rather than
+two views of one (the official plugin's layout: vllm-gaudi
+``HPUAttentionBackend.get_kv_cache_shape`` and ``VLLMKVCache``). Slot ``s`` is
+row ``s``; block ``b`` is rows ``[b * block_size, (b + 1) * block_size)``.
+Block 0 is vLLM's null block: no request ever owns it, so padding writes its
+slots and padding reads mask it.
 
 Each kernel costs what the step's tokens need, not the square of the step:
 
@@ -51,6 +54,7 @@ fused kernel (FusedSDPA on Gaudi) through ``vllm_hpu_mm.device``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,32 +72,64 @@ PAD_QUERY_POS = -(2**40)
 MASKED_SCORE = -1e30
 
 
-@torch.library.custom_op("hpu_mm::write_kv", mutates_args=("kv_cache",))
-def write_kv(
-    kv_cache: torch.Tensor,
+class KVCache(NamedTuple):
+    """One attention layer's paged KV cache.
+
+    key, value: [num_blocks * block_size, Hkv, D] each, slot ``s`` at row
+    ``s``. Two separate tensors, so that inside a graph compiled by Habana's
+    ``hpu_backend`` each is a graph input of its own that the KV write mutates
+    in place (``index_copy_`` on a non-view input, which its compile passes
+    reinplace). Written through two views of one ``[2, ...]`` tensor,
+    AOTAutograd rebuilds the whole base (``select_scatter``) and copies it
+    back into the input every layer and step.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    block_size: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def head_size(self) -> int:
+        return int(self.key.shape[2])
+
+
+def blocks_of(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[NB * BS, Hkv, D] -> its [NB, BS, Hkv, D] view, for reading by block."""
+    rows, num_kv_heads, head = cache.shape
+    return cache.view(rows // block_size, block_size, num_kv_heads, head)
+
+
+def kv_cache_of_stacked(stacked: torch.Tensor) -> KVCache:
+    """A ``KVCache`` over the two halves of one ``[2, NB, BS, Hkv, D]`` tensor
+    (views: writes land in ``stacked``). For eager callers and tests only:
+    inside a graph compiled by ``hpu_backend``, K and V views taken of one
+    ``[2, ...]`` input are what costs a whole-cache copy (see ``KVCache``)."""
+    _, num_blocks, block_size, num_kv_heads, head = stacked.shape
+    flat = stacked.view(2, num_blocks * block_size, num_kv_heads, head)
+    return KVCache(flat[0], flat[1], block_size)
+
+
+@torch.library.custom_op("hpu_mm::write_kv", mutates_args=("key_cache", "value_cache"))
+def _write_kv_op(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter this step's keys and values into their cache slots.
-
-    kv_cache: [2, NB, BS, Hkv, D]; key, value: [T, Hkv, D];
-    slot_mapping: [T] int64, padding rows point into the null block 0.
-
-    A custom op that mutates the cache in place, so that a compiled graph
-    writes the step's slots instead of copying the whole cache (a traced
-    in-place write to a graph input is functionalised into a copy of it).
-    """
-    _, num_blocks, block_size, num_kv_heads, head = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head)
     n = slot_mapping.shape[0]
-    flat[0].index_copy_(0, slot_mapping, key[:n].to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, value[:n].to(flat.dtype))
+    key_cache.index_copy_(0, slot_mapping, key[:n].to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value[:n].to(value_cache.dtype))
 
 
-@write_kv.register_fake
+@_write_kv_op.register_fake
 def _(
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -101,51 +137,69 @@ def _(
     return None
 
 
-def write_kv_plain(
-    kv_cache: torch.Tensor,
+def write_kv(
+    kv_cache: KVCache,
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """``write_kv`` as plain in-place ``index_copy_`` on the flat per-layer K
-    and V views, for graphs compiled by Habana's ``hpu_backend``.
+    """Scatter this step's keys and values into their cache slots.
+
+    key, value: [T, Hkv, D]; slot_mapping: [T'] int64 (T' <= T), padding rows
+    point into the null block 0.
+
+    A custom op that mutates the cache in place, so that a graph compiled by
+    Inductor writes the step's slots instead of copying the whole cache (a
+    traced in-place write to a graph input is functionalised into a copy of
+    it, which Inductor reinplaces only for custom ops it knows).
+    """
+    _write_kv_op(kv_cache.key, kv_cache.value, key, value, slot_mapping)
+
+
+def write_kv_plain(
+    kv_cache: KVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_kv`` as plain in-place ``index_copy_`` on the layer's K and V
+    tensors, for graphs compiled by Habana's ``hpu_backend``.
 
     Same arguments and effect as ``write_kv``. Traced through AOTAutograd, the
     custom op would become an ``auto_functionalized`` higher-order op, which
     Habana's graph compiler does not implement (only ``cond`` / ``while_loop``),
-    while it reinplaces a plain ``index_copy``; the official plugin writes its
-    cache the same way (vllm-gaudi ``extension/utils.py`` ``VLLMKVCache``:
-    ``cache.index_copy_(0, slot_mapping, input)``).
+    while it reinplaces a plain ``index_copy`` on a non-view input; the
+    official plugin writes its cache the same way (vllm-gaudi
+    ``extension/utils.py`` ``VLLMKVCache``: ``cache.index_copy_(0,
+    slot_mapping, input)``, one K and one V tensor per layer).
     """
-    _, num_blocks, block_size, num_kv_heads, head = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head)
     n = slot_mapping.shape[0]
-    flat[0].index_copy_(0, slot_mapping, key[:n].to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, value[:n].to(flat.dtype))
+    kv_cache.key.index_copy_(0, slot_mapping, key[:n].to(kv_cache.key.dtype))
+    kv_cache.value.index_copy_(0, slot_mapping, value[:n].to(kv_cache.value.dtype))
 
 
 def _gather_blocks(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor
+    kv_cache: KVCache, block_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """block_ids [N, C] -> keys, values [N, Hkv, C * BS, D]."""
     n, c = block_ids.shape
-    _, _, block_size, num_kv_heads, head = kv_cache.shape
+    block_size = kv_cache.block_size
     flat_ids = block_ids.reshape(-1)
 
-    def one(i: int) -> torch.Tensor:
+    def one(cache: torch.Tensor) -> torch.Tensor:
         return (
-            kv_cache[i]
+            blocks_of(cache, block_size)
             .index_select(0, flat_ids)
-            .view(n, c * block_size, num_kv_heads, head)
+            .view(n, c * block_size, cache.shape[1], cache.shape[2])
             .transpose(1, 2)
         )
 
-    return one(0), one(1)
+    return one(kv_cache.key), one(kv_cache.value)
 
 
 def prefill_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     tile_blocks: torch.Tensor,
     tile_mask: torch.Tensor,
     tile_query_pos: torch.Tensor,
@@ -200,7 +254,7 @@ def prefill_attention(
 
 def decode_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     block_list: torch.Tensor,
     block_req: torch.Tensor,
     block_bias: torch.Tensor,
@@ -226,10 +280,12 @@ def decode_attention(
     """
     batch, num_heads, head = query.shape
     num_blocks = block_list.shape[0]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = kv_cache.num_kv_heads
     group = num_heads // num_kv_heads
-    keys = kv_cache[0].index_select(0, block_list).to(query.dtype)  # [NB, BS, Hkv, D]
-    values = kv_cache[1].index_select(0, block_list).to(query.dtype)
+    bs = kv_cache.block_size
+    # [NB, BS, Hkv, D] each
+    keys = blocks_of(kv_cache.key, bs).index_select(0, block_list).to(query.dtype)
+    values = blocks_of(kv_cache.value, bs).index_select(0, block_list).to(query.dtype)
     q = query.index_select(0, block_req).view(num_blocks, num_kv_heads, group, head)
     # [NB, Hkv, G, D] @ [NB, Hkv, D, BS] -> [NB, Hkv, G, BS]
     scores = (q @ keys.permute(0, 2, 3, 1)).float() * scale
@@ -261,7 +317,7 @@ def decode_attention(
 
 def batched_decode_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -279,7 +335,7 @@ def batched_decode_attention(
     on the CPU's flash kernel that measured 0.73 -> 0.62 ms a layer at 32
     requests x 320 keys, 12/4 heads (bfloat16, 2 threads)."""
     batch, max_blocks = block_table.shape
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.block_size
     num_keys = max_blocks * block_size
     num_heads, head = query.shape[1], query.shape[2]
     keys, values = _gather_blocks(kv_cache, block_table)  # [B, Hkv, K, D]
@@ -307,7 +363,7 @@ def dense_decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     dense: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
@@ -320,7 +376,7 @@ def dense_decode_attention(
     """Decode attention over the dense per-request K/V copy.
 
     query: [R, H, D] real decode rows; key, value: [R, Hkv, D] their new K/V;
-    kv_cache: [2, NB, BS, Hkv, D] the paged cache (already holding this step's
+    kv_cache: the paged cache (already holding this step's
     K/V: ``write_kv`` first); dense: [2, S, Hkv, L, D], slot s holding one
     request's keys and values at their positions;
     slots: [R] int64 slot of each row; positions: [R] int64 position of each
@@ -371,7 +427,7 @@ def request_prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     requests: Sequence[tuple[int, int, int]],
     block_table: torch.Tensor,
     masks: Sequence[torch.Tensor | None],
@@ -393,7 +449,7 @@ def request_prefill_attention(
     """
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.block_size
     for i, (start, q_len, seq_len) in enumerate(requests):
         q = query[start : start + q_len].transpose(0, 1)[None]  # [1, H, q, D]
         if seq_len == q_len:

@@ -25,10 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.hpu_mm.platform")
 
 ATTN_BACKEND_CLS = "vllm_hpu_mm.attention.backend.HpuMMAttentionBackend"
-BASE_COMMUNICATOR_CLS = (
-    "vllm.distributed.device_communicators.base_device_communicator."
-    "DeviceCommunicatorBase"
-)
+COMMUNICATOR_CLS = "vllm_hpu_mm.communicator.HpuMMCommunicator"
 
 
 class _HpuMMPlatformBase(Platform):
@@ -82,9 +79,34 @@ class _HpuMMPlatformBase(Platform):
         return float(total - free)
 
     @classmethod
+    def use_sync_weight_loader(cls) -> bool:
+        # On HPU each weight's loader ends with a device synchronisation:
+        # narrowed copies into a parameter otherwise pile up in the bridge's
+        # queue (lazy mode: one growing graph) and run out of device memory
+        # on large checkpoints (vllm-gaudi ``platform.py``
+        # ``set_synchronized_weight_loader``, "preventing Llama 405B OOM").
+        return device.device_kind() == "hpu"
+
+    @classmethod
+    def make_synced_weight_loader(cls, original_weight_loader: Any) -> Any:
+        # vLLM's default calls torch._sync (XLA's lazy tensors) on non-CPU
+        # parameters; HPU synchronises its device (whose simulated tensors are
+        # host tensors, so the parameter's device does not tell).
+        if not cls.use_sync_weight_loader():
+            return original_weight_loader
+
+        def synced_weight_loader(param: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original_weight_loader(param, *args, **kwargs)
+            device.synchronize()
+            return out
+
+        return synced_weight_loader
+
+    @classmethod
     def get_device_communicator_cls(cls) -> str:
-        # torch.distributed collectives over dist_backend (hccl, nccl or gloo).
-        return BASE_COMMUNICATOR_CLS
+        # torch.distributed collectives over dist_backend (hccl, nccl or gloo),
+        # HPU lazy mode's graph cut before each (vllm_hpu_mm.communicator).
+        return COMMUNICATOR_CLS
 
     @classmethod
     def opaque_attention_op(cls) -> bool:

@@ -190,7 +190,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "layer_kv_heads": sorted({a.num_kv_heads for a in attn}),
         "layer_heads": sorted({a.num_heads for a in attn}),
         "kv_cache_shapes": sorted(
-            {tuple(t.shape) for t in worker.runner.kv_caches.values()}
+            {tuple(kv.key.shape) for kv in worker.runner.kv_caches.values()}
         ),
     }
 
@@ -209,8 +209,8 @@ def test_workers_hold_one_shard_each(llm: Any, tiny_llama_dir: str) -> None:
         assert f["layer_kv_heads"] == [cfg.num_key_value_heads // TP]
         assert f["layer_heads"] == [cfg.num_attention_heads // TP]
         head_dim = cfg.hidden_size // cfg.num_attention_heads
-        (shape,) = f["kv_cache_shapes"]  # [2, blocks, block_size, Hkv, D]
-        assert shape[3:] == (cfg.num_key_value_heads // TP, head_dim)
+        (shape,) = f["kv_cache_shapes"]  # K: [blocks * block_size, Hkv, D]
+        assert shape[1:] == (cfg.num_key_value_heads // TP, head_dim)
 
 
 def _rng_digest(worker: Any) -> str:

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpu_kernels.attention import (
+from tests.stacked_kv import (
     batched_decode_attention,
     decode_attention,
     prefill_attention,

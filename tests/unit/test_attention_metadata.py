@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpu_kernels.attention import PAD_QUERY_POS
+from hpu_kernels.attention import PAD_QUERY_POS, kv_cache_of_stacked
 from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
 from vllm_hpu_mm.attention.metadata import (
     StepShape,
@@ -491,12 +491,12 @@ def test_metadata_drives_the_backend_like_the_reference(
         query,
         key,
         value,
-        cache.clone(),
+        kv_cache_of_stacked(cache.clone()),
         md,
         torch.empty_like(query),  # type: ignore[arg-type]
     )
     # The same step as two passes (decode rows, then prefill rows).
-    split_cache = cache.clone()
+    split_cache = kv_cache_of_stacked(cache.clone())
     dec, pre = split_metadata(md)
     nd = md.num_decodes
     parts = [
@@ -539,7 +539,7 @@ def test_traced_decode_runs_the_whole_bucket(
 
         def spy(
             query: torch.Tensor,
-            cache: torch.Tensor,
+            cache: object,
             blocks: torch.Tensor,
             *a: object,
             _k: object = kernel,
@@ -563,9 +563,11 @@ def test_traced_decode_runs_the_whole_bucket(
         return impl.forward(None, query, key, value, c, m, torch.zeros_like(query))  # type: ignore[arg-type]
 
     assert impl.plan.host_attention  # the CPU's default plan: dynamic
-    eager = run(cache.clone(), md)
+    eager = run(kv_cache_of_stacked(cache.clone()), md)
     impl.plan = build_plan(HpuMMConfig(execution="static"), "cpu", False)
-    traced = torch.compile(run, backend="eager", fullgraph=True)(cache.clone(), md)
+    traced = torch.compile(run, backend="eager", fullgraph=True)(
+        kv_cache_of_stacked(cache.clone()), md
+    )
     real_blocks = 3 if form == "flat" else 2  # A's 2 + B's 1, or A's 2
     assert seen == [(2, real_blocks), (4, 8)]
     torch.testing.assert_close(traced[:2], eager[:2], atol=1e-6, rtol=1e-6)
@@ -587,6 +589,6 @@ def test_traced_decode_runs_the_whole_bucket(
         decode_form=form,  # type: ignore[arg-type]
     )
     assert (md1.real_decodes, md1.real_decode_blocks) != (2, real_blocks)
-    compiled(cache.clone(), md)
-    compiled(cache.clone(), md1)
+    compiled(kv_cache_of_stacked(cache.clone()), md)
+    compiled(kv_cache_of_stacked(cache.clone()), md1)
     assert counter.frame_count == 1

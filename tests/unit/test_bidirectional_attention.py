@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpu_kernels.attention import prefill_attention
+from tests.stacked_kv import prefill_attention
 from tests.unit.test_attention_kernels import (
     HEADS,
     block_table_of,

@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpu_kernels.attention import dense_decode_attention, write_kv
+from hpu_kernels.attention import kv_cache_of_stacked
+from tests.stacked_kv import dense_decode_attention, write_kv
 from tests.unit.test_attention_kernels import ATOL, HEAD, RTOL, reference_attention
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
 
@@ -94,7 +95,7 @@ class World:
             k,
             v,
             self.paged,
-            self.cache.tensor_for(self.paged),
+            self.cache.tensor_for(kv_cache_of_stacked(self.paged)),
             step.slots,
             step.positions,
             step.fill_slots,
@@ -166,7 +167,7 @@ def test_a_slot_reused_after_a_nan_request_reads_none_of_its_keys() -> None:
     w = World(2, 1, slots=1)
     w.prefill("a", 30)
     w.decode(["a"], [], None)
-    dense = w.cache.tensor_for(w.paged)
+    dense = w.cache.tensor_for(kv_cache_of_stacked(w.paged))
     dense.fill_(float("nan"))  # a's K/V, every position of its slot
     w.cache.drop("a")
     w.prefill("b", 3)
@@ -212,7 +213,7 @@ def test_mask_keeps_key_zero_of_free_slots_and_applies_the_window() -> None:
 
 
 def test_bytes_per_layer() -> None:
-    paged = torch.zeros(2, 10, 16, 4, 64, dtype=torch.bfloat16)
+    paged = kv_cache_of_stacked(torch.zeros(2, 10, 16, 4, 64, dtype=torch.bfloat16))
     # 2 (K, V) x 32 slots x 4 heads x 320 tokens (300 rounded to blocks) x 64 x 2 B
     assert DecodeCache.bytes_per_layer(32, 300, 16, paged) == 2 * 32 * 4 * 304 * 64 * 2
 

@@ -168,12 +168,12 @@ def test_device_picks_torch_sdpa_elsewhere() -> None:
 def test_attention_runs_on_the_device_sdpa(habana: FakeHabana) -> None:
     # The backend takes its kernel from the device module: FusedSDPA on Gaudi, and
     # the prefill kernel's call (mask, scale, grouped K/V) goes through it.
-    from hpu_kernels.attention import prefill_attention
+    from hpu_kernels.attention import kv_cache_of_stacked, prefill_attention
     from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
 
     impl = HpuMMAttentionImpl(num_heads=4, head_size=8, scale=0.35, num_kv_heads=2)
     g = torch.Generator().manual_seed(1)
-    kv_cache = torch.randn(2, 3, 4, 2, 8, generator=g)  # [2, blocks, BS, Hkv, D]
+    kv_cache = kv_cache_of_stacked(torch.randn(2, 3, 4, 2, 8, generator=g))
     query = torch.randn(5, 4, 8, generator=g)  # 5 rows, one tile
     tile_blocks = torch.tensor([[1, 2]])
     key_pos = torch.arange(8)[None, :]  # [1, K]

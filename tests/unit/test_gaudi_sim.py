@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from hpu_kernels.attention import write_kv, write_kv_plain
+from hpu_kernels.attention import (
+    KVCache,
+    kv_cache_of_stacked,
+    write_kv,
+    write_kv_plain,
+)
 from hpu_kernels.fused import fused_sdpa, fused_softmax_mode, sdpa_native
 from tests.fakes.habana import FakeHabana, cpu_only_host
 from vllm_hpu_mm import device, patches
@@ -52,8 +57,9 @@ def _hpu_compile(fn: Any, **kwargs: Any) -> Any:
 # ---- hpu_backend: what Habana's graph compiler refuses -----------------------------
 
 
-def _cache() -> torch.Tensor:
-    return torch.zeros(2, 3, 4, 2, 8)  # [2, blocks, BS, Hkv, D]
+def _cache() -> KVCache:
+    # K and V [blocks * BS, Hkv, D]: 3 blocks of 4
+    return KVCache(torch.zeros(12, 2, 8), torch.zeros(12, 2, 8), 4)
 
 
 def _kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,28 +84,65 @@ def test_the_plain_kv_write_compiles_and_writes_the_slots(habana: FakeHabana) ->
         cache, key, value, slots
     )
     write_kv(want, key, value, slots)
-    assert torch.equal(cache, want)
+    assert torch.equal(cache.key, want.key) and torch.equal(cache.value, want.value)
     assert compiler.Compilations.count == before + 1
     assert habana.calls == ["compile"]
 
 
-def test_a_write_through_a_view_is_flagged_as_a_whole_copy(
+def test_a_write_through_views_of_one_cache_is_counted_as_whole_copies(
     habana: FakeHabana, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Habana reinplaces index_copy on a non-view input only: the [2, ...]
-    cache's K and V views are copied whole (a warning); a plain cache is not."""
+    """Issue 28 item 4's cost: Habana reinplaces index_copy on a non-view input
+    only. K and V as two halves of one [2, ...] cache (the layout before)
+    cost a whole copy of it per write: counted and logged. Separate K and V
+    tensors (``KVCache``, the layout now) cost none: written in place."""
     key, value, slots = _kv()
+    before = compiler.InputCopies.count
+    stacked = torch.zeros(2, 3, 4, 2, 8)  # [2, blocks, BS, Hkv, D]
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        _hpu_compile(
+            lambda c, k, v, s: write_kv_plain(kv_cache_of_stacked(c), k, v, s)
+        )(stacked, key, value, slots)
+    assert compiler.InputCopies.count > before
+    assert compiler.INPUT_COPY_LOG in caplog.text
+    assert torch.equal(stacked[0].view(12, 2, 8)[slots], key)
+    caplog.clear()
+    before = compiler.InputCopies.count
+    cache = _cache()
     with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
         _hpu_compile(lambda c, k, v, s: write_kv_plain(c, k, v, s))(
-            _cache(), key, value, slots
+            cache, key, value, slots
         )
-    assert "would not be reinplaced" in caplog.text
-    caplog.clear()
+    assert compiler.InputCopies.count == before
+    assert compiler.INPUT_COPY_LOG not in caplog.text
+    assert torch.equal(cache.key[slots], key)
+    assert torch.equal(cache.value[slots], value)
+
+
+def test_the_reinplaced_write_is_in_place_and_reads_see_it(habana: FakeHabana) -> None:
+    """The rewritten graph writes the input's own storage (no copy) and a read
+    after the write in the same graph sees the new rows."""
+    key, _, slots = _kv()
     flat = torch.zeros(12, 2, 8)
-    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
-        _hpu_compile(lambda c, k, s: c.index_copy_(0, s, k))(flat, key, slots)
-    assert "would not be reinplaced" not in caplog.text
-    assert torch.equal(flat[slots], key)
+    ptr = flat.data_ptr()
+
+    def write_then_read(
+        c: torch.Tensor, k: torch.Tensor, s: torch.Tensor
+    ) -> torch.Tensor:
+        c.index_copy_(0, s, k)
+        return c.index_select(0, s) * 2
+
+    before = compiler.InputCopies.count
+    out = _hpu_compile(write_then_read)(flat, key, slots)
+    assert compiler.InputCopies.count == before  # the copy_ was reinplaced
+    assert flat.data_ptr() == ptr
+    assert torch.equal(flat[slots], key) and torch.equal(out, key * 2)
+
+
+def test_a_clone_of_an_input_is_counted(habana: FakeHabana) -> None:
+    before = compiler.InputCopies.count
+    _hpu_compile(lambda c: c.clone().add_(1).sum())(torch.zeros(12, 2, 8))
+    assert compiler.InputCopies.count == before + 1
 
 
 def test_the_attention_backend_writes_plainly_on_hpu(habana: FakeHabana) -> None:
@@ -109,7 +152,7 @@ def test_the_attention_backend_writes_plainly_on_hpu(habana: FakeHabana) -> None
     key, value, slots = _kv()
     cache = _cache()
     _hpu_compile(lambda c, k, v, s: impl.write_kv(c, k, v, s))(cache, key, value, slots)
-    assert cache.abs().sum() > 0
+    assert cache.key.abs().sum() > 0 and cache.value.abs().sum() > 0
 
 
 def test_symbolic_sizes_are_refused(habana: FakeHabana) -> None:
@@ -410,3 +453,76 @@ def test_a_real_habana_install_keeps_the_simulation_out(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIM None" in proc.stdout
     assert "ERR" in proc.stdout  # the (broken) real stack is used, not replaced
+
+
+# ---- issue 28 item 10: lazy-mode collectives, synchronised weight loads ------------
+
+
+@pytest.fixture
+def hccl_group(tmp_path: Path) -> Iterator[Any]:
+    """A one-rank ``hccl`` group (gloo underneath, as the simulated stack
+    registers it)."""
+    import torch.distributed as dist
+
+    stack._register_hccl_as_gloo()
+    dist.init_process_group(
+        "hccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lazy_collectives_need_the_graph_cut_before_each(
+    habana: FakeHabana, hccl_group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In lazy mode a collective on an uncut graph is refused; the plugin's
+    communicator marks a step before each (vLLM's base one does not)."""
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        DeviceCommunicatorBase,
+    )
+
+    from vllm_hpu_mm.communicator import HpuMMCommunicator
+    from vllm_hpu_mm.gaudi_sim.collectives import UncutLazyCollective
+    from vllm_hpu_mm.platform import HpuMMPlatform
+
+    for name, fn in habana.collectives.wrappers().items():
+        monkeypatch.setattr(dist, name, fn)
+    habana.lazy = True
+    cpu = torch.device("cpu")
+    base = DeviceCommunicatorBase(hccl_group, cpu, hccl_group)
+    with pytest.raises(UncutLazyCollective, match="mark_step"):
+        base.all_reduce(torch.ones(3))
+    assert HpuMMPlatform.get_device_communicator_cls().endswith("HpuMMCommunicator")
+    ours = HpuMMCommunicator(hccl_group, cpu, hccl_group)
+    x = torch.ones(3)
+    assert torch.equal(ours.all_reduce(x), x)
+    assert ours.all_gather(x, 0).shape == (3,)
+    assert torch.equal(ours.all_reduce(x), x)
+    assert habana.collectives.checked == 4
+    habana.lazy = False  # eager mode: no cut needed
+    base.all_reduce(x)
+    assert habana.collectives.checked == 4
+
+
+def test_weight_loaders_synchronise_the_card_on_hpu(
+    habana: FakeHabana, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM wraps every ``weight_loader`` attribute with the platform's synced
+    loader where ``use_sync_weight_loader``: on HPU each load ends with a
+    device synchronisation."""
+    import vllm.model_executor.utils as vllm_utils
+    import vllm.platforms
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from vllm_hpu_mm.platform import HpuMMPlatform
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", HpuMMPlatform())
+    param = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    vllm_utils.set_weight_attrs(param, {"weight_loader": default_weight_loader})
+    before = habana.hpu.calls.count("synchronize")
+    param.weight_loader(param, torch.arange(4.0))  # type: ignore[attr-defined]
+    assert torch.equal(param.data, torch.arange(4.0))
+    assert habana.hpu.calls.count("synchronize") == before + 1

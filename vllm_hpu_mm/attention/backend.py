@@ -32,6 +32,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from hpu_kernels.attention import (
+    KVCache,
     SdpaFn,
     batched_decode_attention,
     decode_attention,
@@ -79,7 +80,10 @@ class HpuMMAttentionBackend(AttentionBackend):
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        """The shape of each of a layer's two cache tensors, K and V (one
+        ``KVCache``: ``worker.kv_cache``), as the official plugin's (vllm-gaudi
+        ``HPUAttentionBackend.get_kv_cache_shape``)."""
+        return (num_blocks * block_size, num_kv_heads, head_size)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -161,14 +165,14 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,  # type: ignore[override]
         attn_metadata: HpuMMAttentionMetadata,
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # query, output: [T, H, D]; key, value: [T, Hkv, D];
-        # kv_cache: [2, num_blocks, block_size, Hkv, D].
+        # kv_cache: K and V, [num_blocks * block_size, Hkv, D] each.
         md = attn_metadata
         if md is None:  # a run without KV cache (memory profiling)
             return output.zero_()
@@ -212,7 +216,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         md: HpuMMAttentionMetadata,
     ) -> None:
         """Decode rows ``[0, num_decodes)`` of ``output``. Where the plan's
@@ -257,7 +261,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
     def _decode(
         self,
         query: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         md: HpuMMAttentionMetadata,
         rows: int,
         blocks: int | None,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hpu_kernels.attention import KVCache
 from vllm_hpu_mm.attention.metadata import PAD_BLOCK
 
 logger = logging.getLogger("vllm.hpu_mm.decode_cache")
@@ -94,25 +95,26 @@ class DecodeCache:
 
     @staticmethod
     def bytes_per_layer(
-        num_slots: int, max_model_len: int, block_size: int, kv_cache: torch.Tensor
+        num_slots: int, max_model_len: int, block_size: int, kv_cache: KVCache
     ) -> int:
         """Bytes of one layer's dense tensor for a paged ``kv_cache`` layer."""
         max_len = _held_len(max_model_len, block_size)
-        _, _, _, num_kv_heads, head = kv_cache.shape
-        return 2 * num_slots * num_kv_heads * max_len * head * kv_cache.element_size()
+        per_elem = kv_cache.key.element_size()
+        heads, head = kv_cache.num_kv_heads, kv_cache.head_size
+        return 2 * num_slots * heads * max_len * head * per_elem
 
-    def tensor_for(self, kv_cache: torch.Tensor) -> torch.Tensor:
+    def tensor_for(self, kv_cache: KVCache) -> torch.Tensor:
         """The dense ``[2, S, Hkv, L, D]`` tensor of the layer whose paged
         cache is ``kv_cache`` (allocated, zeroed, on its first step)."""
-        key = kv_cache.data_ptr()
+        key = kv_cache.key.data_ptr()
         dense = self._tensors.get(key)
         if dense is None:
-            _, _, _, num_kv_heads, head = kv_cache.shape
             dense = torch.zeros(
-                (2, self.num_slots, num_kv_heads, self.max_len, head),
-                dtype=kv_cache.dtype,
-                device=kv_cache.device,
-            )
+                (2, self.num_slots, kv_cache.num_kv_heads, self.max_len,
+                 kv_cache.head_size),
+                dtype=kv_cache.key.dtype,
+                device=kv_cache.key.device,
+            )  # fmt: skip
             self._tensors[key] = dense
         return dense
 

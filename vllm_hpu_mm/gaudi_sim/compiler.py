@@ -9,7 +9,19 @@ docs/gaudi.md):
 - It lowers the Dynamo graph through AOTAutograd (``aot_autograd`` with its own
   forward / inference compiler), so the graph the compiler sees is
   functionalised ATen: a ``torch.library.custom_op`` with ``mutates_args``
-  becomes an ``auto_functionalized`` higher-order op.
+  becomes an ``auto_functionalized`` higher-order op. Input mutations stay in
+  the graph (``keep_inference_input_mutations``, the bridge's
+  ``PT_HPU_KEEP_INPUT_MUTATIONS``, default 1 in its ``compile_backend/
+  config.py``): a write to an input ends the graph as ``copy_(input, new)``.
+- Its passes turn ``index_copy(input, ...)`` followed by ``copy_(input, that)``
+  back into an in-place ``index_copy_`` on the input (the official plugin's KV
+  write relies on it: vllm-gaudi ``VLLMKVCache``). Any other ``copy_`` into
+  an input (a write through a view rebuilds the whole base with
+  ``select_scatter`` and copies it back), a write AOTAutograd leaves to its
+  runtime epilogue, or a ``clone`` of an input costs a copy of the whole
+  input on every call: ``reinplace_input_writes`` does the first, the others
+  are counted (``InputCopies``) and logged (``INPUT_COPY_LOG``), so a test can
+  require zero whole-cache copies.
 - The compile passes implement only the ``cond`` and ``while_loop``
   higher-order ops and reinplace only plain ``index_copy`` on non-view
   inputs: any other higher-order op is refused here
@@ -42,6 +54,8 @@ logger = logging.getLogger("vllm.hpu_mm.gaudi_sim")
 ALLOWED_HIGHER_ORDER_OPS = frozenset({"cond", "while_loop"})
 # Logged once per compiled graph (a server's log shows what it compiled when).
 COMPILE_LOG = "simulated hpu_backend compiled graph"
+# Logged per compiled graph that copies whole inputs (what and how many).
+INPUT_COPY_LOG = "simulated hpu_backend: whole copies of graph inputs"
 
 
 class UnsupportedGraph(RuntimeError):
@@ -58,6 +72,19 @@ class Compilations:
     def add(cls, name: str) -> None:
         cls.count += 1
         cls.names.append(name)
+
+
+class InputCopies:
+    """Whole copies of graph inputs in the graphs compiled in this process
+    (``copies_of_inputs``), each a copy of the whole input on every call."""
+
+    count = 0
+    names: list[str] = []
+
+    @classmethod
+    def add(cls, names: list[str]) -> None:
+        cls.count += len(names)
+        cls.names.extend(names)
 
 
 def _symbolic(value: Any) -> str | None:
@@ -99,19 +126,66 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
             )
 
 
-def copies_not_reinplaced(gm: torch.fx.GraphModule) -> list[str]:
-    """The ``index_copy`` nodes whose destination is not a graph input itself
-    (a view of one, or an intermediate): Habana's compile passes reinplace
-    only a plain ``index_copy`` on a non-view input, so each of these copies
-    its whole destination on every call (a KV cache written through a view of
-    a ``[2, ...]`` K/V tensor is copied whole per layer and step)."""
-    return [
-        node.name
+_COPY = torch.ops.aten.copy_.default
+_INDEX_COPY = torch.ops.aten.index_copy.default
+
+
+def reinplace_input_writes(gm: torch.fx.GraphModule) -> list[str]:
+    """Turn ``copy_(x, index_copy(x, dim, index, src))`` on a graph input ``x``
+    into ``index_copy_(x, dim, index, src)``, as Habana's passes do (module
+    doc), where nothing reads ``x``'s old value after the write. Returns the
+    names of the rewritten writes; the graph is recompiled in place."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _COPY:
+            continue
+        dest, src = node.args[0], node.args[1]
+        if not isinstance(dest, torch.fx.Node) or not isinstance(src, torch.fx.Node):
+            continue
+        if dest.op != "placeholder":
+            continue
+        if src.target is not _INDEX_COPY or src.args[0] is not dest:
+            continue
+        later_reads = [
+            u for u in dest.users if u not in (src, node) and order[u] > order[src]
+        ]
+        if later_reads:
+            continue
+        src.target = torch.ops.aten.index_copy_.default
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        done.append(src.name)
+    if done:
+        gm.recompile()
+    return done
+
+
+def copies_of_inputs(gm: torch.fx.GraphModule, runtime_mutations: int = 0) -> list[str]:
+    """What copies a whole graph input on every call, after
+    ``reinplace_input_writes``: each remaining ``copy_`` into an input (a write
+    through a view of it, say the K or V half of one ``[2, ...]`` KV cache),
+    each ``clone`` of an input, and ``runtime_mutations`` inputs written back
+    by AOTAutograd's epilogue outside the graph."""
+    names = [
+        f"{node.name} ({node.target.__name__} of {node.args[0].name})"
         for node in gm.graph.nodes
         if node.op == "call_function"
-        and node.target is torch.ops.aten.index_copy.default
-        and node.args[0].op != "placeholder"
+        and node.target in (_COPY, torch.ops.aten.clone.default)
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op == "placeholder"
     ]
+    return names + [f"epilogue write {i}" for i in range(runtime_mutations)]
+
+
+def _runtime_mutations() -> int:
+    """Inputs AOTAutograd mutates in its runtime epilogue (outside the graph)
+    for the graph being compiled."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None:
+        return 0
+    return len(getattr(meta, "mutated_inp_runtime_indices", ()))
 
 
 def make_hpu_backend(
@@ -123,12 +197,14 @@ def make_hpu_backend(
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         check_graph(gm)
-        copies = copies_not_reinplaced(gm)
+        reinplace_input_writes(gm)
+        copies = copies_of_inputs(gm, _runtime_mutations())
         if copies:
+            InputCopies.add(copies)
             logger.warning(
-                "simulated hpu_backend: %d index_copy on a view of a graph input "
-                "(%s) would not be reinplaced on Gaudi: each copies its whole "
-                "destination every call",
+                "%s: %d (%s): each copies a whole input every call on Gaudi "
+                "(Habana reinplaces only index_copy on a non-view input)",
+                INPUT_COPY_LOG,
                 len(copies),
                 ", ".join(copies[:4]),
             )
@@ -138,7 +214,11 @@ def make_hpu_backend(
         )
         return make_boxed_func(gm.forward)
 
-    lowered = aot_autograd(fw_compiler=compile_graph, inference_compiler=compile_graph)
+    lowered = aot_autograd(
+        fw_compiler=compile_graph,
+        inference_compiler=compile_graph,
+        keep_inference_input_mutations=True,
+    )
 
     def hpu_backend(
         gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any

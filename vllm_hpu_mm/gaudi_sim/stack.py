@@ -14,7 +14,9 @@ the bridge:
   eager, the default of current releases);
 - ``utils.internal.is_lazy()`` reports that mode; ``core.mark_step()`` cuts the
   lazy graph (recorded; the host has already run the ops);
-- ``hpu.wrap_in_hpu_graph`` (HPU graphs, lazy mode only) returns the model.
+- ``hpu.wrap_in_hpu_graph`` (HPU graphs, lazy mode only) returns the model;
+- in lazy mode a collective on an ``hccl`` group needs a ``mark_step`` since
+  the previous one (``collectives``).
 
 ``install_in_process`` makes the stack permanent for the process and adds
 what the bridge changes in torch itself: ``torch.accelerator`` answering for
@@ -40,6 +42,7 @@ import torch
 from vllm_hpu_mm.gaudi_sim import fp8_ops, kernels
 from vllm_hpu_mm.gaudi_sim.bridge import SimBridgeConfig
 from vllm_hpu_mm.gaudi_sim.card import SimHost, SimTorchHpu
+from vllm_hpu_mm.gaudi_sim.collectives import LazyCollectives
 from vllm_hpu_mm.gaudi_sim.compiler import (
     inductor_refusing_hpu,
     make_hpu_backend,
@@ -81,6 +84,8 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             self.modules[name].__path__ = []
         self._fill()
         self.backend = make_hpu_backend(self._is_lazy, LAZY_ENV)
+        # lazy mode as read at import of habana_frameworks.torch (not yet: eager)
+        self.collectives = LazyCollectives(lambda: bool(self.lazy))
 
     def _fill(self) -> None:
         m = self.modules
@@ -99,6 +104,7 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     # ---- the modules' functions ----------------------------------------------------
     def _mark_step(self) -> None:
         self.calls.append("mark_step")
+        self.collectives.mark_step()
 
     def _is_lazy(self) -> bool:
         assert self.lazy is not None, "habana_frameworks.torch was not imported"
@@ -149,6 +155,10 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         compile_fx.compile_fx = inductor_refusing_hpu()
         _register_hccl_as_gloo()
         fp8_ops.register()  # torch.ops.hpu.cast_to_fp8_v2 / fp8_gemm_v2
+        import torch.distributed as dist
+
+        for name, fn in self.collectives.wrappers().items():
+            setattr(dist, name, fn)
         return self
 
 

@@ -39,6 +39,7 @@ from vllm.v1.outputs import (
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
+from hpu_kernels.attention import KVCache
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.multimodal.placeholders import request_chunks
@@ -52,7 +53,12 @@ from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
 from vllm_hpu_mm.worker.graphs import GraphRunner
 from vllm_hpu_mm.worker.input_batch import PersistentBatch
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
-from vllm_hpu_mm.worker.kv_cache import allocate_kv_caches, kv_cache_specs, zero_blocks
+from vllm_hpu_mm.worker.kv_cache import (
+    allocate_kv_caches,
+    kv_cache_bytes,
+    kv_cache_specs,
+    zero_blocks,
+)
 from vllm_hpu_mm.worker.logits_head import configure_head
 from vllm_hpu_mm.worker.lora import LoraAdapters
 from vllm_hpu_mm.worker.multimodal import MultimodalInputs
@@ -139,7 +145,7 @@ class HpuMMModelRunner:
         self.mm: MultimodalInputs | None = None  # set for multimodal models
         # set for models whose images are read by cross-attention (Mllama)
         self.cross: CrossAttentionInputs | None = None
-        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_caches: dict[str, KVCache] = {}
         # vLLM's adapter manager (``--enable-lora``), set by load_model.
         self.lora: LoraAdapters | None = None
         # Rotary position channels of an M-RoPE model (Qwen2-VL family), 0 for
@@ -305,7 +311,7 @@ class HpuMMModelRunner:
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         self.kv_caches = allocate_kv_caches(self.vllm_config, config, self.device)
-        paged = sum(t.numel() * t.element_size() for t in self.kv_caches.values())
+        paged = kv_cache_bytes(self.kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens, %d layers, %.1f MiB",
             config.num_blocks,

@@ -44,7 +44,7 @@ from vllm.v1.worker.utils import bind_kv_cache_to_layers, clear_layer_kv_caches
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
 from vllm_hpu_mm.bucketing.buckets import smallest_fit
-from vllm_hpu_mm.worker.kv_cache import kv_cache_specs
+from vllm_hpu_mm.worker.kv_cache import kv_cache_specs, new_kv_cache
 from vllm_hpu_mm.worker.pipeline import empty_intermediate
 
 if TYPE_CHECKING:
@@ -272,15 +272,12 @@ def _prefill_metadata(runner: HpuMMModelRunner, shape: ProfileShape) -> Any:
     return md, 1 + q.size * per_req
 
 
-def _scratch_kv_cache(
-    runner: HpuMMModelRunner, num_blocks: int
-) -> dict[str, torch.Tensor]:
-    """Zeroed ``[2, num_blocks, block_size, Hkv, D]`` caches for the profile."""
-    caches = {}
+def _scratch_kv_cache(runner: HpuMMModelRunner, num_blocks: int) -> dict[str, Any]:
+    """Zeroed caches of ``num_blocks`` blocks for the profile."""
+    caches: dict[str, Any] = {}
     for name, spec in kv_cache_specs(runner.vllm_config).items():
         assert isinstance(spec, AttentionSpec)
-        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        caches[name] = torch.zeros(shape, dtype=spec.dtype, device=runner.device)
+        caches[name] = new_kv_cache(spec, num_blocks, runner.device)
     return caches
 
 

@@ -278,7 +278,7 @@ class WorkCounter(TorchDispatchMode):
             if tag is None:
                 continue
             if id(t) in written:
-                c.writes[tag] += self._write_bytes(tensors, t)
+                c.writes[tag] += self._write_bytes(tensors, t, written)
                 continue
             if func in GATHER_OPS and i == 0:
                 nbytes = sum(
@@ -316,12 +316,22 @@ class WorkCounter(TorchDispatchMode):
                 ids.add(id(value))
         return ids
 
-    def _write_bytes(self, tensors: list[torch.Tensor], dst: torch.Tensor) -> int:
-        """Bytes an op writes into ``dst``: its other floating-point tensor
-        arguments (the source rows; indices are integers), at most ``dst``'s
+    def _write_bytes(
+        self, tensors: list[torch.Tensor], dst: torch.Tensor, written: set[int]
+    ) -> int:
+        """Bytes an op writes into ``dst``: its floating-point tensor arguments
+        that it does not write (the source rows; indices are integers; an op
+        writing K and V takes each other's cache as no source; its sources are
+        shared evenly between the tensors it writes), at most ``dst``'s
         extent."""
-        src = [t for t in tensors if t is not dst and t.is_floating_point()]
-        n = sum(unique_bytes(t) for t in src) if src else unique_bytes(dst)
+        src = [
+            t
+            for t in tensors
+            if t is not dst and id(t) not in written and t.is_floating_point()
+        ]
+        if not src:
+            return unique_bytes(dst)
+        n = sum(unique_bytes(t) for t in src) // max(len(written), 1)
         return min(n, unique_bytes(dst))
 
 

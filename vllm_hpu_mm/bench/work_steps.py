@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpu_kernels.attention import KVCache
 from vllm_hpu_mm.bench.work import (
     WorkCounter,
     WorkCounts,
@@ -90,7 +91,7 @@ class StandInLayer(torch.nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         md: object,
         counter: WorkCounter | None = None,
     ) -> torch.Tensor:
@@ -128,6 +129,23 @@ def static_impl(m: ModelShape) -> HpuMMAttentionImpl:
         HpuMMConfig(execution="static", graph_mode="compile"), "cpu", False
     )
     return impl
+
+
+def random_kv_cache(
+    num_blocks: int, block_size: int, m: ModelShape, dtype: torch.dtype
+) -> KVCache:
+    """A layer's cache as the plugin allocates it (``worker.kv_cache``): a K and
+    a V tensor of ``[num_blocks * block_size, Hkv, D]``, random values."""
+    shape = (num_blocks * block_size, m.kv_heads, m.head_size)
+    return KVCache(
+        torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), block_size
+    )
+
+
+def tag_kv_cache(counter: WorkCounter, cache: KVCache) -> None:
+    """K and V tagged ``kv``; a whole copy of either one counts once."""
+    for t in (cache.key, cache.value):
+        counter.tag(t, "kv", whole_bytes=t.numel() * t.element_size())
 
 
 def block_layout(
@@ -220,14 +238,11 @@ def _run(
         shape,
         torch.device("cpu"),  # type: ignore[arg-type]
     )
-    caches = [
-        torch.randn(2, num_blocks, block_size, m.kv_heads, m.head_size).to(dtype)
-        for _ in layers
-    ]
+    caches = [random_kv_cache(num_blocks, block_size, m, dtype) for _ in layers]
     counter = WorkCounter()
     counter.tag_module(layers, "weight")
     for c in caches:
-        counter.tag(c, "kv", whole_bytes=c[0].numel() * c.element_size())
+        tag_kv_cache(counter, c)
     x = torch.randn(md.num_decodes + md.num_prefill_tokens, m.hidden).to(dtype)
     passes = step_passes(md, split=impl.plan.split_mixed_steps)
     # no_grad, not inference_mode: under inference_mode composite ops
@@ -268,9 +283,9 @@ def count_compiled_copies(
     impl = static_impl(m)
     impl.write_kv = write_kv_plain if write == "plain" else write_kv  # type: ignore[attr-defined]
     layer = StandInLayer(m, impl).to(dtype).eval()
-    cache = torch.randn(2, num_blocks, block_size, m.kv_heads, m.head_size).to(dtype)
+    cache = random_kv_cache(num_blocks, block_size, m, dtype)
     counter = WorkCounter()
-    counter.tag(cache, "kv", whole_bytes=cache[0].numel() * cache.element_size())
+    tag_kv_cache(counter, cache)
 
     def compiler(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> object:
         def run(args: list[object]) -> object:
@@ -280,13 +295,13 @@ def count_compiled_copies(
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
 
-    def call(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return layer(x, kv, md)
+    def call(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return layer(x, KVCache(key, value, block_size), md)
 
     fn = torch.compile(call, backend=aot_autograd(fw_compiler=compiler), dynamic=False)
     x = torch.randn(shape.num_tokens, m.hidden).to(dtype)
     with torch.no_grad():
-        fn(x, cache)
+        fn(x, cache.key, cache.value)
     torch._dynamo.reset()
     return dict(counter.counts.copies)
 

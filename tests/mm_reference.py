@@ -234,6 +234,20 @@ def hf_llava_greedy_steps(
     (for ``tests.hf_reference.compare_greedy_bf16``)."""
     model = load_hf_llava(model_dir, dtype)
     inputs = hf_llava_inputs(model_dir, prompt_text, images, add_special_tokens)
+    return hf_vlm_greedy_steps(model, inputs, max_new_tokens)
+
+
+def hf_vlm_greedy_steps(
+    model: Any, inputs: Any, max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """``hf_vlm_greedy`` with HF's ``[steps, vocab]`` logits (for
+    ``tests.hf_reference.compare_greedy_bf16``); floating inputs (pixel
+    values) in the model's dtype, as a bfloat16 user of transformers passes
+    them."""
+    inputs = {
+        k: v.to(model.dtype) if torch.is_floating_point(v) else v
+        for k, v in inputs.items()
+    }
     with torch.inference_mode():
         out = model.generate(
             **inputs,

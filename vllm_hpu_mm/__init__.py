@@ -33,7 +33,15 @@ def register() -> str | None:
     # Logs once which device was chosen and why.
     kind = select_device().kind
     apply_patches()
+    if kind == "hpu" and _simulated():
+        return "vllm_hpu_mm.platform.SimulatedHpuMMPlatform"
     return _PLATFORM_CLS[kind]
+
+
+def _simulated() -> bool:
+    from vllm_hpu_mm.device import simulated
+
+    return simulated()
 
 
 def register_models() -> None:

@@ -245,6 +245,19 @@ def _force_bfloat16(vllm_config: VllmConfig) -> None:
     )
 
 
+class SimulatedHpuMMPlatform(HpuMMPlatform):
+    """Intel Gaudi simulated on the host (``vllm_hpu_mm.gaudi_sim``).
+
+    Everything is Gaudi's but the dispatch key: the simulated card's tensors
+    are host tensors, so the ops vLLM registers for the platform's key
+    (``direct_register_custom_op`` reads ``current_platform.dispatch_key``:
+    ``vllm::torch_sdpa_wrapper`` of the vision encoders' attention, among
+    others) must be registered for ``CPU`` to be callable at all; on a real
+    card they are ``HPU`` kernels taking ``HPU`` tensors."""
+
+    dispatch_key = "CPU"
+
+
 class CudaMMPlatform(_HpuMMPlatformBase):
     """NVIDIA GPU fallback: the same code path, on CUDA."""
 

@@ -177,6 +177,21 @@ def test_static_graphs_compile_once_per_shape(habana: FakeHabana) -> None:
     assert compiler.Compilations.count == before + 2
 
 
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_a_compiled_frame_building_a_user_class_compiles(habana: FakeHabana) -> None:
+    """Dynamo asks ``torch.hpu`` for ``Stream`` / ``Event`` when a compiled
+    frame calls a user-defined class (a VLM's image-input schema does)."""
+    from torch._dynamo.variables.user_defined import UserDefinedClassVariable
+
+    UserDefinedClassVariable._in_graph_classes.cache_clear()  # read torch.hpu now
+    fn = _hpu_compile(lambda x: _Box(x * 2).t + 1, dynamic=False)
+    assert torch.equal(fn(torch.ones(2)), torch.full((2,), 3.0))
+
+
 def test_cond_is_accepted(habana: FakeHabana) -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.cond(x.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,))
@@ -406,6 +421,8 @@ _PROCESS = """
 import torch, vllm_hpu_mm
 from vllm_hpu_mm import device, gaudi_sim
 print("PLATFORM", vllm_hpu_mm.register())
+from vllm.platforms import current_platform
+print("DISPATCH", current_platform.dispatch_key)
 print("KIND", device.device_kind(), device.torch_device(), device.simulated())
 print("HPU", type(torch.hpu).__name__, device.compile_backend())
 torch.accelerator.empty_cache()  # patched on HPU by register()
@@ -434,7 +451,8 @@ def test_the_environment_installs_the_simulated_gaudi(tmp_path: Path) -> None:
     proc = _fresh(_PROCESS, env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "PLATFORM vllm_hpu_mm.platform.HpuMMPlatform" in out
+    assert "PLATFORM vllm_hpu_mm.platform.SimulatedHpuMMPlatform" in out
+    assert "DISPATCH CPU" in out  # the simulated card computes on host tensors
     assert "KIND hpu cpu True" in out
     assert "HPU SimTorchHpu hpu_backend" in out
     assert "HCCL True" in out

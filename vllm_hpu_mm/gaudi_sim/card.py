@@ -120,10 +120,28 @@ class SimEvent:
         return True
 
 
+class SimStream:
+    """``torch.hpu.Stream``: the bridge's module has the class (Habana's
+    PyTorch API reference lists ``hpu.Stream`` / ``hpu.Event``), and Dynamo
+    reads ``torch.hpu.Stream`` and ``torch.hpu.Event`` as in-graph classes
+    whenever ``torch.hpu`` exists (``torch/_dynamo/variables/user_defined.py``
+    ``_in_graph_classes``): without it every compiled frame that meets a
+    user-defined class (vLLM's tensor schemas in a VLM's image input) fails.
+    The simulated card runs every op when called, so a stream orders nothing."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class SimTorchHpu:
     """``torch.hpu`` of one process. ``allocated`` gives the bytes allocated on
     the card (default ``live_tensor_bytes``); ``calls`` records the device
     calls in order."""
+
+    Stream = SimStream
 
     def __init__(
         self,

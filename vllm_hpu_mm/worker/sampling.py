@@ -132,8 +132,33 @@ class PromptLogprobs:
             scores = logits.to(torch.float32)
         else:
             scores = Sampler.compute_logprobs(logits)
-        ids, lps, ranks, *_ = Sampler.gather_logprobs(scores, k, targets)
+        ids, lps, ranks = _gather_prompt_logprobs(scores, k, targets)
         chunk = slice(start, start + num)
         tensors.logprob_token_ids[chunk].copy_(ids)
         tensors.logprobs[chunk].copy_(lps)
         tensors.selected_token_ranks[chunk].copy_(ranks)
+
+
+def _gather_prompt_logprobs(
+    scores: torch.Tensor, k: int, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``gather_logprobs`` of ``scores [num, V]`` for the prompt's next
+    tokens ``targets [num]``, including tokens the head cannot produce.
+
+    A prompt may hold ids past the head's ``V`` outputs: Mllama's
+    ``<|image|>`` is the text vocabulary's size (128256 on Llama 3.2 Vision,
+    whose head has 128256 rows). Such a token gets logprob ``-inf`` (vLLM's
+    OpenAI server clamps it for JSON, ``clamp_prompt_logprobs``) and rank
+    ``V``, as vLLM ranks a ``-inf`` target (every score is at least it)."""
+    vocab = scores.shape[-1]
+    outside = targets >= vocab
+    if not bool(outside.any()):
+        ids, lps, ranks, *_ = Sampler.gather_logprobs(scores, k, targets)
+        return ids, lps, ranks
+    ids, lps, ranks, *_ = Sampler.gather_logprobs(
+        scores, k, targets.clamp(max=vocab - 1)
+    )
+    ids[outside, 0] = targets[outside].to(ids.dtype)
+    lps[outside, 0] = float("-inf")
+    ranks[outside] = vocab
+    return ids, lps, ranks

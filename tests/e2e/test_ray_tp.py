@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.ray_cluster import ray_cluster
 from tests.hf_reference import hf_greedy, load_hf_tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -60,73 +55,13 @@ def _prompts(model_dir: str, lengths: tuple[int, ...], seed: int) -> list[list[i
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop_group(pgid: int) -> None:
-    """End the cluster's processes: they share the session ``ray start`` opened."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A local Ray head with 2 HPU slots; RAY_ADDRESS points the engine at it."""
-    ray_bin = Path(sys.executable).with_name("ray")
-    port = _free_port()
-    temp_dir = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    start = subprocess.Popen(
-        [
-            str(ray_bin),
-            "start",
-            "--head",
-            "--node-ip-address=127.0.0.1",
-            f"--port={port}",
-            f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
-            "--num-cpus=2",
-            f'--resources={{"HPU": {TP}}}',
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the cluster's processes join this group
-    )
-    try:
-        out, _ = start.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        _stop_group(start.pid)
-        raise
-    if start.returncode != 0:
-        _stop_group(start.pid)
-        pytest.fail(f"ray start failed:\n{out}")
-    address = f"127.0.0.1:{port}"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_ADDRESS", address)
-    mp.setenv("RAY_AUTH_MODE", "disabled")
-    try:
+    with ray_cluster(
+        tmp_path_factory.mktemp("ray"), nodes=1, hpu_per_node=TP, cpus_per_node=2
+    ) as address:
         yield address
-    finally:
-        mp.undo()
-        _stop_group(start.pid)
 
 
 @pytest.fixture(scope="module")

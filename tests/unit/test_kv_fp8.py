@@ -25,6 +25,7 @@ from hpu_kernels.kv_fp8 import (
     dequantize_kv,
     quantize_kv,
 )
+from tests.fakes.habana import FakeHabana, cpu_only_host
 from tests.unit.test_attention_kernels import (
     DECODE_SEQ_LENS,
     HEAD,
@@ -40,7 +41,7 @@ from vllm_hpu_mm import device
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.attention.kv_dtype import kv_cache_dtype_problem
 from vllm_hpu_mm.attention.metadata import build_prefill_requests
-from vllm_hpu_mm.gaudi_sim import fp8_ops
+from vllm_hpu_mm.gaudi_sim import compiler, fp8_ops
 from vllm_hpu_mm.worker.kv_cache import zero_blocks
 
 K_SCALE, V_SCALE = 0.05, 0.02
@@ -250,6 +251,54 @@ def test_gaudi_casts_match_the_pytorch_forms(monkeypatch: pytest.MonkeyPatch) ->
         assert torch.equal(
             dequantize(q, _s(K_SCALE), dtype), dequantize_kv(q, _s(K_SCALE), dtype)
         )
+
+
+def test_fp8_write_casts_and_decode_read_compile_on_the_simulated_hpu_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Gaudi forms inside a graph of the simulated ``hpu_backend`` (which
+    refuses what Habana's graph compiler refuses): the write's
+    ``cast_to_fp8_v2`` and a flat decode over an FP8 cache read through
+    ``cast_from_fp8``, equal to the eager PyTorch forms."""
+    block_size = 4
+    specs = [(s - 1, 1) for s in DECODE_SEQ_LENS]
+    stacked, reqs = make_scenario(specs, block_size, 4, 2, seed=5)
+    write_step(stacked, reqs)
+    fp8, _ = _fp8_and_reference(stacked, block_size)
+    query = torch.cat([r.queries for r in reqs])
+    flat = flat_inputs(reqs, block_size)
+    scale = 1 / math.sqrt(HEAD)
+    want_read = attention.decode_attention(query, fp8, **flat, scale=scale)
+    x = torch.randn(5, 2, HEAD, generator=torch.Generator().manual_seed(2)) * 30
+    want_q = quantize_kv(x, _s(K_SCALE))
+    with cpu_only_host(monkeypatch):
+        fake = FakeHabana().install(monkeypatch)
+        device.select_device.cache_clear()
+        torch._dynamo.reset()
+        try:
+            assert device.device_kind() == "hpu"
+            fp8_ops.register()
+            quantize, dequantize = device.kv_fp8_casts()
+
+            def read(key: torch.Tensor, value: torch.Tensor, ks: torch.Tensor,
+                     vs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                kv = KVCache(
+                    key, value, block_size, KVQuant(ks, vs, quantize, dequantize)
+                )
+                return attention.decode_attention(q, kv, **flat, scale=scale)
+
+            before = compiler.Compilations.count
+            backend = device.compile_backend()
+            got_q = torch.compile(quantize, backend=backend)(x, _s(K_SCALE))
+            got_read = torch.compile(read, backend=backend)(
+                fp8.key, fp8.value, _s(K_SCALE), _s(V_SCALE), query
+            )
+            assert compiler.Compilations.count == before + 2
+        finally:
+            torch._dynamo.reset()
+            fake.uninstall()
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_read, want_read)
 
 
 def test_sim_cast_from_fp8_refuses_a_non_fp8_input() -> None:

@@ -46,6 +46,10 @@ Each kernel costs what the step's tokens need, not the square of the step:
   are copied into its slot once, when it starts decoding; each step appends
   one token. The gather was 60 % of decode attention on the CPU.
 
+An FP8 cache (``KVCache.quant``, ``--kv-cache-dtype fp8``) holds keys and
+values divided by the layer's scales; every read above dequantizes what it
+gathers (``read_keys`` / ``read_values``) to the query's dtype.
+
 GQA is handled by SDPA's ``enable_gqa`` and by grouping heads (no K/V repeat).
 The SDPA callable is a parameter (default torch's) so a device can plug in its
 fused kernel (FusedSDPA on Gaudi) through ``vllm_hpu_mm.device``.
@@ -58,6 +62,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from hpu_kernels.kv_fp8 import KVQuant, write_rows
 
 SdpaFn = Callable[..., torch.Tensor]
 """``(query [N, H, Q, D], key [N, Hkv, K, D], value, attn_mask=, scale=,
@@ -87,6 +93,9 @@ class KVCache(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     block_size: int
+    # An FP8 cache's scales and casts (``--kv-cache-dtype fp8``), given by the
+    # attention layer for its forward; None: the cache holds compute values.
+    quant: KVQuant | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -101,6 +110,23 @@ def blocks_of(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     """[NB * BS, Hkv, D] -> its [NB, BS, Hkv, D] view, for reading by block."""
     rows, num_kv_heads, head = cache.shape
     return cache.view(rows // block_size, block_size, num_kv_heads, head)
+
+
+def read_keys(
+    kv_cache: KVCache, keys: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Keys read from ``kv_cache`` (any shape) as ``dtype``: an FP8 cache's
+    dequantized with its key scale (``hpu_kernels.kv_fp8``)."""
+    q = kv_cache.quant
+    return keys.to(dtype) if q is None else q.dequantize(keys, q.k_scale, dtype)
+
+
+def read_values(
+    kv_cache: KVCache, values: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``read_keys`` for values (the value scale)."""
+    q = kv_cache.quant
+    return values.to(dtype) if q is None else q.dequantize(values, q.v_scale, dtype)
 
 
 def kv_cache_of_stacked(stacked: torch.Tensor) -> KVCache:
@@ -122,8 +148,8 @@ def _write_kv_op(
     slot_mapping: torch.Tensor,
 ) -> None:
     n = slot_mapping.shape[0]
-    key_cache.index_copy_(0, slot_mapping, key[:n].to(key_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, value[:n].to(value_cache.dtype))
+    write_rows(key_cache, slot_mapping, key[:n].to(key_cache.dtype))
+    write_rows(value_cache, slot_mapping, value[:n].to(value_cache.dtype))
 
 
 @_write_kv_op.register_fake
@@ -146,7 +172,8 @@ def write_kv(
     """Scatter this step's keys and values into their cache slots.
 
     key, value: [T, Hkv, D]; slot_mapping: [T'] int64 (T' <= T), padding rows
-    point into the null block 0.
+    point into the null block 0. An FP8 cache takes keys and values already
+    quantized (``kv_fp8.quantize_kv``).
 
     A custom op that mutates the cache in place, so that a graph compiled by
     Inductor writes the step's slots instead of copying the whole cache (a
@@ -174,8 +201,10 @@ def write_kv_plain(
     slot_mapping, input)``, one K and one V tensor per layer).
     """
     n = slot_mapping.shape[0]
-    kv_cache.key.index_copy_(0, slot_mapping, key[:n].to(kv_cache.key.dtype))
-    kv_cache.value.index_copy_(0, slot_mapping, value[:n].to(kv_cache.value.dtype))
+    # write_rows: index_copy_ (an FP8 cache's through its uint8 view on host
+    # tensors, the simulated card's: PyTorch's CPU kernel lacks FP8).
+    write_rows(kv_cache.key, slot_mapping, key[:n].to(kv_cache.key.dtype))
+    write_rows(kv_cache.value, slot_mapping, value[:n].to(kv_cache.value.dtype))
 
 
 def _gather_blocks(
@@ -242,8 +271,8 @@ def prefill_attention(
         mask = mask & inside
     out = sdpa(
         q,
-        keys.to(query.dtype),
-        values.to(query.dtype),
+        read_keys(kv_cache, keys, query.dtype),
+        read_values(kv_cache, values, query.dtype),
         attn_mask=mask.unsqueeze(1),  # [NT, 1, tq, K]
         is_causal=False,
         scale=scale,
@@ -284,8 +313,12 @@ def decode_attention(
     group = num_heads // num_kv_heads
     bs = kv_cache.block_size
     # [NB, BS, Hkv, D] each
-    keys = blocks_of(kv_cache.key, bs).index_select(0, block_list).to(query.dtype)
-    values = blocks_of(kv_cache.value, bs).index_select(0, block_list).to(query.dtype)
+    keys = read_keys(
+        kv_cache, blocks_of(kv_cache.key, bs).index_select(0, block_list), query.dtype
+    )
+    values = read_values(
+        kv_cache, blocks_of(kv_cache.value, bs).index_select(0, block_list), query.dtype
+    )
     q = query.index_select(0, block_req).view(num_blocks, num_kv_heads, group, head)
     # [NB, Hkv, G, D] @ [NB, Hkv, D, BS] -> [NB, Hkv, G, BS]
     scores = (q @ keys.permute(0, 2, 3, 1)).float() * scale
@@ -349,8 +382,8 @@ def batched_decode_attention(
     group = num_heads // num_kv_heads
     out = sdpa(
         query.view(batch, num_kv_heads, group, head),  # [B, Hkv, G, D]
-        keys.to(query.dtype),
-        values.to(query.dtype),
+        read_keys(kv_cache, keys, query.dtype),
+        read_values(kv_cache, values, query.dtype),
         attn_mask=mask.view(batch, 1, 1, num_keys),
         is_causal=False,
         scale=scale,
@@ -375,7 +408,8 @@ def dense_decode_attention(
 ) -> torch.Tensor:
     """Decode attention over the dense per-request K/V copy.
 
-    query: [R, H, D] real decode rows; key, value: [R, Hkv, D] their new K/V;
+    query: [R, H, D] real decode rows; key, value: [R, Hkv, D] their new K/V
+    (of an FP8 cache: as it holds them, quantized and read back);
     kv_cache: the paged cache (already holding this step's
     K/V: ``write_kv`` first); dense: [2, S, Hkv, L, D], slot s holding one
     request's keys and values at their positions;
@@ -395,8 +429,12 @@ def dense_decode_attention(
     if fill_slots is not None and fill_blocks is not None:
         keys, values = _gather_blocks(kv_cache, fill_blocks)  # [F, Hkv, M*BS, D]
         n = keys.shape[2]
-        dense[0, :, :, :n].index_copy_(0, fill_slots, keys.to(dense.dtype))
-        dense[1, :, :, :n].index_copy_(0, fill_slots, values.to(dense.dtype))
+        dense[0, :, :, :n].index_copy_(
+            0, fill_slots, read_keys(kv_cache, keys, dense.dtype)
+        )
+        dense[1, :, :, :n].index_copy_(
+            0, fill_slots, read_values(kv_cache, values, dense.dtype)
+        )
         # Past n the slot holds its previous request's K/V: masked, so of zero
         # weight, but 0 * NaN is NaN in P @ V. Cleared, a NaN request's K/V
         # cannot reach the next request of its slot.
@@ -436,7 +474,9 @@ def request_prefill_attention(
 ) -> torch.Tensor:
     """Causal prefill attention, one SDPA per request (host-side lengths).
 
-    query: [T, H, D]; key, value: [T, Hkv, D] this step's prefill rows;
+    query: [T, H, D]; key, value: [T, Hkv, D] this step's prefill rows (of an
+    FP8 cache: as it holds them, quantized and read back, so that a fresh
+    prompt attends the same keys as a later chunk reading the cache);
     requests: per prefill request ``(first row, query_len, seq_len)``, rows in
     order (rows past the last request are padding and get zeros);
     block_table: [P, >= max blocks] int64 the requests' blocks (read only for
@@ -457,10 +497,10 @@ def request_prefill_attention(
             v = value[start : start + q_len].transpose(0, 1)[None]
         else:
             blocks = block_table[i, : -(-seq_len // block_size)]
-            k, v = (
-                t[:, :, :seq_len].to(query.dtype)
-                for t in _gather_blocks(kv_cache, blocks[None])
-            )  # [1, Hkv, seq_len, D]
+            keys, values = _gather_blocks(kv_cache, blocks[None])
+            k = read_keys(kv_cache, keys[:, :, :seq_len], query.dtype)
+            v = read_values(kv_cache, values[:, :, :seq_len], query.dtype)
+            # [1, Hkv, seq_len, D] each
         mask = masks[i]
         o = sdpa(
             q,

@@ -41,6 +41,7 @@ import torch
 
 if TYPE_CHECKING:
     from hpu_kernels.fused import RopeKernel, SdpaFn
+    from hpu_kernels.kv_fp8 import DequantizeFn, QuantizeFn
 
 DeviceKind = Literal["hpu", "cuda", "cpu"]
 DEVICE_ENV = "VLLM_HPU_MM_DEVICE"
@@ -463,6 +464,30 @@ def fp8_ops() -> Fp8Ops | None:
         return None
     _habana()
     return Fp8Ops(cast=torch.ops.hpu.cast_to_fp8_v2, gemm=torch.ops.hpu.fp8_gemm_v2)
+
+
+def kv_fp8_casts() -> tuple[QuantizeFn, DequantizeFn]:
+    """The FP8 KV cache's write and read conversions (``hpu_kernels.kv_fp8``):
+    on HPU Habana's ``cast_to_fp8_v2(x, 1 / scale, False, False, e4m3)`` and
+    ``cast_from_fp8(x, scale, dtype)``, as the official plugin's FP8 KV cache
+    calls them (vllm-gaudi ``extension/utils.py`` ``VLLMFP8KVCache``); the
+    pure-PyTorch forms elsewhere."""
+    from hpu_kernels.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
+
+    if device_kind() != "hpu":
+        return quantize_kv, dequantize_kv
+    _habana()
+    cast_to, cast_from = torch.ops.hpu.cast_to_fp8_v2, torch.ops.hpu.cast_from_fp8
+
+    def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return cast_to(x, 1.0 / scale, False, False, FP8_KV_DTYPE)[0]
+
+    def dequantize(
+        x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return cast_from(x, scale, dtype)
+
+    return quantize, dequantize
 
 
 # --- HF transformers as the benchmark's reference (vllm-hpu-mm bench --backend hf)

@@ -92,10 +92,21 @@ def _reject_unsupported(vllm_config: VllmConfig) -> None:
             )
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV transfer connectors (--kv-transfer-config)")
+    kv_dtype = _kv_cache_dtype_problem(vllm_config)
+    if kv_dtype is not None:
+        problems.append(kv_dtype)
     if problems:
         raise UnsupportedConfigError(
             "vllm-hpu-mm does not support: " + "; ".join(problems) + "."
         )
+
+
+def _kv_cache_dtype_problem(vllm_config: VllmConfig) -> str | None:
+    from vllm_hpu_mm.attention.kv_dtype import kv_cache_dtype_problem
+
+    cc = vllm_config.cache_config
+    skip = list(getattr(cc, "kv_cache_dtype_skip_layers", None) or [])
+    return kv_cache_dtype_problem(str(cc.cache_dtype), skip)
 
 
 # Prefix-LM multimodal models whose rule (the embedding tokens of one image

@@ -35,7 +35,9 @@ def make_config(**overrides: Any) -> SimpleNamespace:
         kv_transfer_config=None,
         model_config=SimpleNamespace(runner_type="generate"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, worker_cls="auto"),
-        cache_config=SimpleNamespace(block_size=None, user_specified_block_size=False),
+        cache_config=SimpleNamespace(
+            block_size=None, user_specified_block_size=False, cache_dtype="auto"
+        ),
         scheduler_config=SimpleNamespace(
             async_scheduling=True,
             max_num_seqs=8,
@@ -182,6 +184,16 @@ def test_scheduling_keeps_vllms_choice(
             "prefix-LM multimodal model ['PaliGemmaForConditionalGeneration']",
         ),
         ({"kv_transfer_config": SimpleNamespace()}, "KV transfer"),
+        (
+            {
+                "cache_config": SimpleNamespace(
+                    block_size=None,
+                    user_specified_block_size=False,
+                    cache_dtype="fp8_e5m2",
+                )
+            },
+            "--kv-cache-dtype 'fp8_e5m2'",
+        ),
     ],
 )
 def test_reject_unsupported(overrides: dict[str, Any], named: str) -> None:

@@ -17,7 +17,7 @@ extras of the metadata (real rows and blocks, prefill requests, dense cache).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -42,7 +42,13 @@ from hpu_kernels.attention import (
     write_kv,
     write_kv_plain,
 )
+from hpu_kernels.kv_fp8 import KVQuant
 from vllm_hpu_mm import device
+from vllm_hpu_mm.attention.kv_dtype import (
+    SUPPORTED_KV_CACHE_DTYPES,
+    is_fp8_kv_cache,
+    layer_scales,
+)
 from vllm_hpu_mm.attention.metadata import (
     HpuMMAttentionMetadata,
     build_metadata,
@@ -58,6 +64,7 @@ class HpuMMAttentionBackend(AttentionBackend):
         torch.bfloat16,
         torch.float16,
     ]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(SUPPORTED_KV_CACHE_DTYPES)
     forward_includes_kv_cache_update = True
 
     @staticmethod
@@ -125,8 +132,11 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             problems.append(f"logits_soft_cap={logits_soft_cap}")
         if attn_type != AttentionType.DECODER:
             problems.append(f"attention type {attn_type!r}")
-        if kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"kv_cache_dtype={kv_cache_dtype!r}")
+        if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            problems.append(
+                f"kv_cache_dtype={kv_cache_dtype!r} (supported: "
+                f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)})"
+            )
         if kv_sharing_target_layer_name is not None:
             problems.append("cross-layer KV sharing")
         problems += [f"{k}={v!r}" for k, v in unsupported.items() if v]
@@ -158,6 +168,10 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         # (Habana's graph compiler refuses the custom op's auto_functionalized
         # form); the custom op elsewhere (Inductor reinplaces it).
         self.write_kv = write_kv_plain if device.device_kind() == "hpu" else write_kv
+        # An FP8 cache's conversions (Habana's cast ops on HPU), or None.
+        self.fp8_casts = (
+            device.kv_fp8_casts() if is_fp8_kv_cache(kv_cache_dtype) else None
+        )
 
     def forward(
         self,
@@ -176,7 +190,10 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         md = attn_metadata
         if md is None:  # a run without KV cache (memory profiling)
             return output.zero_()
-        self.write_kv(kv_cache, key, value, md.slot_mapping)
+        if self.fp8_casts is not None:
+            kv_cache, key, value = self._write_fp8(layer, kv_cache, key, value, md)
+        else:
+            self.write_kv(kv_cache, key, value, md.slot_mapping)
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
         if n_dec:
             self._decode_into(output, query, key, value, kv_cache, md)
@@ -209,6 +226,33 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
                 span_hi=md.prefill_tile_span_hi,
             )
         return output
+
+    def _write_fp8(
+        self,
+        layer: AttentionLayer,
+        kv_cache: KVCache,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        md: HpuMMAttentionMetadata,
+    ) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+        """Write this step's K/V into an FP8 cache (``k / k_scale``,
+        saturated) and return the cache with the layer's scales for the reads,
+        and the step's K/V as the cache holds them (quantized and read back):
+        the paths that attend fresh K/V directly (a whole prompt's own keys,
+        the dense decode cache's new token) then see what a later read of the
+        cache sees."""
+        assert self.fp8_casts is not None
+        quantize, dequantize = self.fp8_casts
+        k_scale, v_scale = layer_scales(layer)
+        quant = KVQuant(k_scale, v_scale, quantize, dequantize)
+        kv_cache = KVCache(kv_cache.key, kv_cache.value, kv_cache.block_size, quant)
+        key_q, value_q = quantize(key, k_scale), quantize(value, v_scale)
+        self.write_kv(kv_cache, key_q, value_q, md.slot_mapping)
+        return (
+            kv_cache,
+            dequantize(key_q, k_scale, key.dtype),
+            dequantize(value_q, v_scale, value.dtype),
+        )
 
     def _decode_into(
         self,

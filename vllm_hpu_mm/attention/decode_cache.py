@@ -12,6 +12,14 @@ exactly its first ``seq_len - 1`` positions); after that each step appends
 its one new token, and attention reads the slots directly
 (``hpu_kernels.attention.dense_decode_attention``).
 
+An FP8 paged cache (``--kv-cache-dtype fp8``) is copied in dequantized, in
+the model's dtype: the dense cache exists to make the CPU's decode reads
+cheap, and an FP8 copy would be dequantized again by every layer at every
+step (the whole ``[S, Hkv, W, D]`` slab); the values are the same (each step
+appends its token as the paged cache holds it, quantized and read back), so
+the tokens are those of the paged path. It costs the model dtype's bytes, not
+FP8's, and is sized against the paged cache's bytes as usual.
+
 The paged cache stays the source of truth (prefix caching, preemption, the
 prefill path and Gaudi all use it); the dense copy is rebuilt from it, so a
 slot is only ever a cache of it. Used where attention runs outside any
@@ -34,6 +42,7 @@ import numpy as np
 import torch
 
 from hpu_kernels.attention import KVCache
+from hpu_kernels.kv_fp8 import FP8_KV_DTYPE
 from vllm_hpu_mm.attention.metadata import PAD_BLOCK
 
 logger = logging.getLogger("vllm.hpu_mm.decode_cache")
@@ -79,7 +88,12 @@ class DecodeCache:
     """Slots and per-layer dense tensors of the dense decode cache."""
 
     def __init__(
-        self, num_slots: int, max_model_len: int, block_size: int, device: torch.device
+        self,
+        num_slots: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -87,6 +101,8 @@ class DecodeCache:
         self.block_size = block_size
         self.max_len = _held_len(max_model_len, block_size)
         self.device = device
+        # What an FP8 paged cache's copy holds (None: FP8 caches not expected).
+        self.compute_dtype = compute_dtype
         self._tensors: dict[int, torch.Tensor] = {}
         self._slot_of: dict[str, int] = {}
         self._length: dict[str, int] = {}  # positions the slot holds
@@ -94,12 +110,28 @@ class DecodeCache:
         self.fills = 0  # requests copied in from the paged cache, in total
 
     @staticmethod
+    def dense_dtype(
+        kv_cache: KVCache, compute_dtype: torch.dtype | None
+    ) -> torch.dtype:
+        """The paged cache's dtype; for an FP8 one, ``compute_dtype``."""
+        if kv_cache.key.dtype == FP8_KV_DTYPE:
+            if compute_dtype is None:
+                raise ValueError("an FP8 paged cache needs the compute dtype")
+            return compute_dtype
+        return kv_cache.key.dtype
+
+    @staticmethod
     def bytes_per_layer(
-        num_slots: int, max_model_len: int, block_size: int, kv_cache: KVCache
+        num_slots: int,
+        max_model_len: int,
+        block_size: int,
+        kv_cache: KVCache,
+        compute_dtype: torch.dtype | None = None,
     ) -> int:
         """Bytes of one layer's dense tensor for a paged ``kv_cache`` layer."""
         max_len = _held_len(max_model_len, block_size)
-        per_elem = kv_cache.key.element_size()
+        dtype = DecodeCache.dense_dtype(kv_cache, compute_dtype)
+        per_elem = torch.empty((), dtype=dtype).element_size()
         heads, head = kv_cache.num_kv_heads, kv_cache.head_size
         return 2 * num_slots * heads * max_len * head * per_elem
 
@@ -112,7 +144,7 @@ class DecodeCache:
             dense = torch.zeros(
                 (2, self.num_slots, kv_cache.num_kv_heads, self.max_len,
                  kv_cache.head_size),
-                dtype=kv_cache.key.dtype,
+                dtype=self.dense_dtype(kv_cache, self.compute_dtype),
                 device=kv_cache.key.device,
             )  # fmt: skip
             self._tensors[key] = dense

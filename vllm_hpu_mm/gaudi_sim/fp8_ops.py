@@ -1,22 +1,29 @@
-"""The simulated Habana FP8 ops, ``torch.ops.hpu.cast_to_fp8_v2`` and
-``torch.ops.hpu.fp8_gemm_v2``, with the bridge's schema and the official
-plugin's conventions (vllm-gaudi ``extension/ops.py``: ``dynamic_quant`` and
-``apply_fp8_linear_hpu``)::
+"""The simulated Habana FP8 ops, ``torch.ops.hpu.cast_to_fp8_v2``,
+``torch.ops.hpu.cast_from_fp8`` and ``torch.ops.hpu.fp8_gemm_v2``, with the
+bridge's schema and the official plugin's conventions (vllm-gaudi
+``extension/ops.py``: ``dynamic_quant`` and ``apply_fp8_linear_hpu``;
+``extension/utils.py`` ``VLLMFP8KVCache``: ``cast_to_fp8_v2(x, 1 / scale, ...)``
+on the KV write, ``cast_from_fp8(x, scale, dtype)`` on the read)::
 
     cast_to_fp8_v2(Tensor input, Tensor? scale=None, bool stochastic_rounding=False,
                    bool is_amax=False, ScalarType dtype=float8_e4m3fn,
                    int[]? scale_shape=None) -> (Tensor, Tensor)
+    cast_from_fp8(Tensor input, Tensor? scale, ScalarType out_dtype,
+                  int[]? scale_shape=None) -> Tensor
     fp8_gemm_v2(Tensor A, bool trans_A, Tensor B, bool trans_B, Tensor? D,
                 ScalarType out_dtype, Tensor? A_scale_inv=None,
                 Tensor? B_scale_inv=None, Tensor? bias=None,
                 bool accumulate=False, int[]? B_scale_shape=None) -> Tensor
 
-``cast_to_fp8_v2`` multiplies by ``scale`` (the official plugin passes
-``1.0 / input_scale``) and rounds to nearest; ``fp8_gemm_v2`` multiplies
-``op(A) * A_scale_inv`` by ``op(B) * B_scale_inv`` with float32 accumulation and
-returns ``out_dtype``. ``A_scale_inv`` is one scale or one per row of ``A``
-(``[M, 1]``: "A_scale_inv MUST be passed as [T,1]", vllm-gaudi's FP8 MoE notes);
-``B_scale_inv`` one scale or one per output column (per-channel).
+``cast_from_fp8`` multiplies the FP8 input by ``scale`` in float32 and returns
+``out_dtype`` (the bridge's meta function: same shape, ``out_dtype``); an input
+that is not FP8 is refused. ``cast_to_fp8_v2`` multiplies by ``scale`` (the
+official plugin passes ``1.0 / input_scale``) and rounds to nearest;
+``fp8_gemm_v2`` multiplies ``op(A) * A_scale_inv`` by ``op(B) * B_scale_inv``
+with float32 accumulation and returns ``out_dtype``. ``A_scale_inv`` is one
+scale or one per row of ``A`` (``[M, 1]``: "A_scale_inv MUST be passed as
+[T,1]", vllm-gaudi's FP8 MoE notes); ``B_scale_inv`` one scale or one per
+output column (per-channel).
 
 Refused as the real ones refuse: ``out_dtype`` other than float32 or bfloat16
 (Habana's transformer-engine wrapper ``fp8_gemm_v2``: "Output tensor must have
@@ -59,6 +66,20 @@ def cast_to_fp8_v2(
     out = x.clamp(-top, top).to(dtype)
     amax = input.abs().amax().float() if is_amax else input.new_empty(0).float()
     return out, amax
+
+
+def cast_from_fp8(
+    input: torch.Tensor,
+    scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    scale_shape: list[int] | None = None,
+) -> torch.Tensor:
+    if input.dtype not in FP8_DTYPES:
+        raise RuntimeError(f"cast_from_fp8: input must be FP8, got {input.dtype}")
+    x = input.float()
+    if scale is not None:
+        x = x * scale.float()
+    return x.to(out_dtype)
 
 
 def _scale(
@@ -132,7 +153,14 @@ def register() -> None:
     cast = torch.library.custom_op("hpu::cast_to_fp8_v2", mutates_args=())(
         cast_to_fp8_v2
     )
+    uncast = torch.library.custom_op("hpu::cast_from_fp8", mutates_args=())(
+        cast_from_fp8
+    )
     gemm = torch.library.custom_op("hpu::fp8_gemm_v2", mutates_args=())(fp8_gemm_v2)
+
+    @uncast.register_fake  # type: ignore[misc]
+    def _(input, scale, out_dtype, scale_shape=None):  # fmt: skip
+        return torch.empty_like(input, dtype=out_dtype)
 
     @cast.register_fake  # type: ignore[misc]
     def _(input, scale=None, stochastic_rounding=False, is_amax=False,

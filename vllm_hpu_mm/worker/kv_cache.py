@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention.attention import Attention
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    KVQuantMode,
+)
 from vllm.v1.worker.utils import bind_kv_cache
 
 from hpu_kernels.attention import KVCache, blocks_of
+from hpu_kernels.kv_fp8 import FP8_KV_DTYPE
 
 
 def kv_cache_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
-    """The KV-cache spec of every attention layer that keeps a cache."""
+    """The KV-cache spec of every attention layer that keeps a cache.
+
+    An FP8 cache (``--kv-cache-dtype fp8``): vLLM's spec names ``uint8`` (its
+    CUDA kernels reinterpret the bytes); ours names ``float8_e4m3fn``, the
+    tensors' dtype. Both are 1 byte, so vLLM sizes the same pages: twice the
+    blocks of bfloat16 for the same memory."""
     specs: dict[str, KVCacheSpec] = {}
     layers = get_layers_from_vllm_config(vllm_config, cast(Any, Attention))
     for name, layer in layers.items():
         spec = layer.get_kv_cache_spec(vllm_config)
-        if spec is not None:
-            specs[name] = spec
+        if spec is None:
+            continue
+        if (
+            isinstance(spec, AttentionSpec)
+            and spec.kv_quant_mode == KVQuantMode.FP8_PER_TENSOR
+        ):
+            spec = dataclasses.replace(spec, dtype=FP8_KV_DTYPE)
+        specs[name] = spec
     return specs
 
 
@@ -77,4 +95,6 @@ def zero_blocks(caches: dict[str, KVCache], block_ids: list[int]) -> None:
     index = torch.tensor(block_ids, dtype=torch.int64)
     for kv in caches.values():
         for cache in (kv.key, kv.value):
+            if cache.dtype == FP8_KV_DTYPE:  # no FP8 index_fill_ on the CPU
+                cache = cache.view(torch.uint8)  # zero bytes: FP8 0.0
             blocks_of(cache, kv.block_size).index_fill_(0, index.to(cache.device), 0)

@@ -332,8 +332,10 @@ class HpuMMModelRunner:
             return None
         slots = self.vllm_config.scheduler_config.max_num_seqs
         max_len = self.model_config.max_model_len
+        dtype = self.model_config.dtype  # what an FP8 cache's copy holds
+        assert isinstance(dtype, torch.dtype), dtype
         dense = sum(
-            DecodeCache.bytes_per_layer(slots, max_len, self.block_size, t)
+            DecodeCache.bytes_per_layer(slots, max_len, self.block_size, t, dtype)
             for t in self.kv_caches.values()
         )
         if dense > fraction * paged:
@@ -350,7 +352,7 @@ class HpuMMModelRunner:
             max_len,
             dense / 2**20,
         )
-        cache = DecodeCache(slots, max_len, self.block_size, self.device)
+        cache = DecodeCache(slots, max_len, self.block_size, self.device, dtype)
         for kv in self.kv_caches.values():  # allocated now, not mid-serving
             cache.tensor_for(kv)
         return cache

@@ -115,30 +115,34 @@ def server_qwen3(
         }
     }
     patch = pytest.MonkeyPatch()
-    # Its own counters: /metrics reads every file of the directory.
+    # Its own counters (/metrics reads every file of the directory), set for
+    # its start only; a longer start-up wait for the warmup compilations.
     patch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path_factory.mktemp("metrics")))
-    patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)  # warmup compiles
+    patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
+    servers = serve(
+        model,
+        root / "server.log",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        str(QWEN3_BUDGET),
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 1, "video": 1}),
+        "--chat-template",
+        str(template),
+        "--allowed-local-media-path",
+        str(media_root),
+        "--additional-config",
+        json.dumps(plugin),
+    )
     try:
-        yield from serve(
-            model,
-            root / "server.log",
-            "--max-model-len",
-            "512",
-            "--max-num-seqs",
-            "4",
-            "--max-num-batched-tokens",
-            str(QWEN3_BUDGET),
-            "--limit-mm-per-prompt",
-            json.dumps({"image": 1, "video": 1}),
-            "--chat-template",
-            str(template),
-            "--allowed-local-media-path",
-            str(media_root),
-            "--additional-config",
-            json.dumps(plugin),
-        )
+        started = next(servers)
     finally:
         patch.undo()
+    yield started
+    next(servers, None)  # stop it and check its log
 
 
 @pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])

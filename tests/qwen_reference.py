@@ -195,7 +195,13 @@ def hf_qwen_video_inputs(
 ) -> Any:
     """The processor's inputs for images and videos: transformers' processor
     ``__call__`` with the torchvision-free video processor, each video's
-    metadata as vLLM passes it (its frames already sampled by the loader)."""
+    metadata as vLLM passes it (its frames already sampled by the loader).
+
+    The loader's ``do_sample_frames`` says whether the frames are the whole
+    video (the processor may sample them: Qwen3-VL at 2 fps) or already
+    sampled (it subsampled a video longer than ``num_frames``: the processor
+    takes them as they are, and Qwen3-VL's timestamps come from the loader's
+    ``frames_indices``); it is passed to the processor as such."""
     from transformers.video_utils import VideoMetadata
 
     processor = load_hf_qwen_processor(model_dir)
@@ -203,6 +209,9 @@ def hf_qwen_video_inputs(
         VideoMetadata(**{k: v for k, v in m.items() if k != "do_sample_frames"})
         for _, m in videos
     ]
+    sampling = {bool(m.get("do_sample_frames", True)) for _, m in videos}
+    assert len(sampling) <= 1, "one processor call: whole and sampled videos apart"
+    kwargs = {"do_sample_frames": sampling.pop()} if sampling else {}
     return processor(
         text=[prompt],
         images=list(images) or None,
@@ -210,6 +219,7 @@ def hf_qwen_video_inputs(
         video_metadata=metadata or None,
         return_tensors="pt",
         add_special_tokens=add_special_tokens,
+        **kwargs,
     )
 
 

@@ -120,6 +120,9 @@ def test_cli_bad_input(
     out = ["--out", str(tmp_path / "o.yaml")]
     argv = ["buckets", "plan-vision", "--images", str(sizes), *out]
     assert main([*argv, "--model", str(model_dir)]) == 1
-    assert "item 1: 'forty' is not [width, height] or 'WxH'" in capsys.readouterr().err
+    assert (
+        "item 1: 'forty' is not an image ([width, height], 'WxH'"
+        in capsys.readouterr().err
+    )
     assert main([*argv, "--model", str(tmp_path)]) == 1
     assert "no processor_config.json" in capsys.readouterr().err

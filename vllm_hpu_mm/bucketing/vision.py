@@ -1,12 +1,14 @@
-"""Patch-count buckets of a dynamic-resolution vision tower, planned from image sizes.
+"""Patch-count buckets of a dynamic-resolution vision tower, planned from image
+sizes and videos.
 
 Qwen2.5-VL / Qwen3-VL resize each image so both sides are multiples of
 ``patch * merge`` pixels and its area lies in ``[min_pixels, max_pixels]``
 (the processor's ``smart_resize``); the tower then runs ``(h / patch) * (w /
 patch)`` patches. The runner pads each tower run to a patch bucket
 (``worker.vision_buckets``), so buckets fitted to the sizes a workload sends
-waste fewer padding patches than the doubling default. Pure functions over
-ints; the processor's own resize arithmetic is transformers'.
+waste fewer padding patches than the doubling default. A video is one tower
+run of ``t * h * w`` patches (``bucketing.video``). Pure functions over ints;
+the processor's own resize arithmetic is transformers'.
 """
 
 from __future__ import annotations
@@ -91,11 +93,13 @@ def plan_vision_buckets(
     counts: Sequence[int], geometry: PatchGeometry, max_buckets: int
 ) -> tuple[int, ...]:
     """At most ``max_buckets`` patch buckets with the least padding on
-    ``counts`` (one image per tower run, as chunked prefill schedules them),
-    the largest being the largest image the processor can make, so every
-    image fits."""
+    ``counts`` (one image or video per tower run, as chunked prefill schedules
+    them), the largest being the largest image the processor can make or the
+    largest sampled item if larger (a video: its frames' patches together),
+    so every image and every sampled video fits."""
     unit = geometry.unit
-    edges = plan_axis(counts, max_buckets, top=geometry.max_patches)
+    top = max(geometry.max_patches, max(counts, default=0))
+    edges = plan_axis(counts, max_buckets, top=top)
     # Binned samples (many distinct sizes) give edges off the merge grid: round
     # them up to whole merged tokens, as the runner would.
     return tuple(sorted({-(-e // unit) * unit for e in edges}))

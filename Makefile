@@ -65,7 +65,7 @@ test-bf16-noamx: models
 		$(VENV)/bin/pytest -q $(BF16_FILES)
 
 test: lint models
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q --durations=30 tests
 	$(MAKE) --no-print-directory test-bf16-noamx
 
 clean:

@@ -48,6 +48,7 @@ class Family:
     image: str  # the prompt's placeholder for one image (Qwen: qwen_prompt's)
     vision: bool = True
     budget: int = 16  # max_num_batched_tokens: smaller than an image's run
+    tp: int = 1  # tensor_parallel_size (spawned workers, hccl over gloo)
     prefill_buckets: str = "[16]"
 
     def prompt(self, question: str, images: int) -> str:
@@ -59,7 +60,7 @@ class Family:
             from tests.e2e.test_vlm2 import user_prompt
 
             return user_prompt(question, with_image=images > 0)
-        if self.name == "mllama":
+        if self.name.startswith("mllama"):
             return self.image * images + question
         if self.name == "mistral":
             return question
@@ -86,6 +87,8 @@ FAMILIES = {
             prefill_buckets="[8, 24]",
         ),
         Family("mllama", "tiny-mllama", "<|image|>"),
+        # TP=2: each rank one KV head of every (cross-)attention layer.
+        Family("mllama_tp2", "tiny-mllama", "<|image|>", tp=2),
     )
 }
 
@@ -148,6 +151,7 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
         max_model_len=256,
         max_num_seqs=4,
         max_num_batched_tokens=family.budget,
+        tensor_parallel_size=family.tp,
         seed=0,
         limit_mm_per_prompt={"image": 1} if family.vision else None,
         additional_config={

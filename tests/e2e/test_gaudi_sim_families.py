@@ -2,9 +2,9 @@
 transformers in bfloat16 (issue 27 item 3).
 
 ``tests/gaudi_sim_families.py`` runs Mistral, LLaVA, Idefics3, Qwen2.5-VL,
-Qwen3-VL, Gemma 3 and Mllama one after another in one fresh interpreter with
-the simulated Habana stack (Llama: ``test_gaudi_sim_serve.py``): Gaudi's
-path with its fused ops, block size 128 and graphs compiled by the simulated
+Qwen3-VL, Gemma 3 and Mllama (and Mllama at TP=2) one after another in one
+fresh interpreter with the simulated Habana stack (Llama:
+``test_gaudi_sim_serve.py``): Gaudi's path with its fused ops, block size 128 and graphs compiled by the simulated
 ``hpu_backend``. Each family's batch mixes image prompts cut by the step
 budget, a text prompt, a request with ``logprobs`` and ``prompt_logprobs``
 and a structured-output request; its first prompt runs again as a prefix
@@ -75,7 +75,7 @@ def _hf_steps(
     if not family.vision:
         ids = case["prompt_ids"]
         return (ids, *hf_greedy_steps(model_dir, ids, MAX_NEW, torch.bfloat16))
-    if family.name == "mllama":  # the processor would add a second BOS
+    if family.name.startswith("mllama"):  # the processor would add a second BOS
         ids = case["prompt_ids"]
         steps = hf_mllama_greedy_steps(model_dir, ids, images, MAX_NEW, torch.bfloat16)
         return (ids, *steps)

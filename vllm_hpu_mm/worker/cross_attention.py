@@ -465,8 +465,11 @@ class CrossAttentionInputs:
             dec_tile_mask=t(dec_mask),
             pre_slots=t(pre_slots),
             pre_tile_mask=t(pre_mask),
-            active=t(active[:, None]),
-            mlp_scale=t(mlp_scale[:, None]),
+            # [T, 1] with the strides of a fresh [T, 1] tensor: compiled code
+            # guards on strides, size-1 dims included (numpy's [:, None] has
+            # stride 0 there), and warmup builds these with torch.zeros.
+            active=t(active).unsqueeze(1),
+            mlp_scale=t(mlp_scale).unsqueeze(1),
             patches=self.patches,
             pre_requests=requests,
         )

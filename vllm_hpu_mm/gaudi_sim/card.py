@@ -85,9 +85,12 @@ def live_tensor_bytes() -> int:
     functional tensors) and meta tensors own no memory."""
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
+        # type(), not isinstance(): a dead weak proxy raises on __class__, and
+        # some module objects warn when their attributes are looked up.
+        cls = type(obj)
+        if not issubclass(cls, torch.Tensor):
             continue
-        if type(obj).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        if cls.__torch_dispatch__ is not _PLAIN_DISPATCH:
             continue
         t: torch.Tensor = obj
         if t.is_meta or t.device.type != "cpu":

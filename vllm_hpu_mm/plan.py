@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vllm_hpu_mm.config import HpuMMConfig
 
 if TYPE_CHECKING:
-    from vllm_hpu_mm.attention.metadata import DecodeForm
+    from vllm_hpu_mm.attention.metadata import DecodeForm, MetadataKind
 
 PlanName = Literal["static", "dynamic"]
 GraphMode = Literal["eager", "compile"]
@@ -79,6 +79,14 @@ class ExecutionPlan:
     """The sampler runs on logits padded to a batch bucket (warmed up), as the
     logits head does: graph mode with every graph at a fixed shape. False: at
     the real batch size."""
+
+    @property
+    def attention_metadata(self) -> MetadataKind:
+        """The attention metadata the steps carry (``attention.metadata``):
+        ``dynamic`` (host-side lengths) where attention never runs under a
+        graph (``host_attention``); ``static`` (graph inputs only) otherwise,
+        the dynamic plan on Gaudi included (every shape is a graph there)."""
+        return "dynamic" if self.host_attention else "static"
 
     def describe(self) -> str:
         """One start-up log line: the plan, why, and its facts."""

@@ -16,6 +16,7 @@ neither by the plugin's graphs nor by vLLM's own ``torch.compile`` helpers
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +46,9 @@ SCHEMA = {
     "required": ["name", "age"],
 }
 WARMUP_DONE = "Warmup finished"
+CARD_BYTES = 64 * 2**20  # a small card (the host backs it)
+UTILIZATION = 0.8  # --gpu-memory-utilization
+GRAPH_RESERVE = 0.2  # hpu_mm.memory.graph_reserve_fraction
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +69,13 @@ def server(
             "graph_mode": "compile",
             "bucketing": {"strategy": "explicit", "file": str(tmp / "buckets.yaml")},
             "warmup": {"progress_bar": False},
+            "memory": {"graph_reserve_fraction": GRAPH_RESERVE},
         }
     }
     patch = pytest.MonkeyPatch()
     patch.setenv("VLLM_HPU_MM_DEVICE", "hpu")
     patch.setenv("VLLM_HPU_MM_GAUDI_SIM", "1")
-    # A small card (the host backs it).
-    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", "64M")
+    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", str(CARD_BYTES))
     patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
     try:
         yield from serve(
@@ -85,6 +89,8 @@ def server(
             "4",
             "--max-num-batched-tokens",
             "64",
+            "--gpu-memory-utilization",
+            str(UTILIZATION),
             "--additional-config",
             json.dumps(plugin),
         )
@@ -177,3 +183,84 @@ def test_nothing_compiles_while_serving(server: Server) -> None:
     assert sum(serving) == 0, serving
     assert _sim_compiles_after_warmup(server) == []
     assert COMPILE_LOG in server.log_path.read_text(errors="replace")  # at warmup
+
+
+def _memory_line(server: Server) -> dict[str, int]:
+    """The worker's KV-cache sizing figures, in bytes, from its log line."""
+    log = server.log_path.read_text(errors="replace")
+    found = re.search(
+        r"bytes: total (\d+), in use (\d+), profiled peak (\d+), KV cache (\d+)", log
+    )
+    assert found, "no memory sizing line in the server log"
+    keys = ("total", "in_use", "peak", "kv_cache")
+    return dict(zip(keys, map(int, found.groups()), strict=True))
+
+
+def _num_gpu_blocks(server: Server) -> int:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    found = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+    assert found, "no num_gpu_blocks in vllm:cache_config_info"
+    return int(found.group(1))
+
+
+def test_kv_cache_is_sized_from_the_simulated_card(server: Server) -> None:
+    """Issue 27 item 4: the KV cache takes the card's usable share
+    (``--gpu-memory-utilization``) less the weights and the profiled peak,
+    less the graph reserve (``graph_reserve_fraction`` of the rest); the block
+    count is recomputed here from the model's shapes and the server's settings.
+
+    Weights: the parameter count from config.json x 2 bytes (bfloat16). The
+    card also holds a few non-weight tensors (vLLM's RoPE cos/sin cache, the
+    step's input buffers): at most ``other`` bytes, read back from the worker's
+    log line and checked. The profiled peak is read from the same line and
+    checked between bounds from the profiled step's shapes (the largest
+    prefill bucket, 64 tokens, over ``max_model_len`` 256 = 2 blocks of keys).
+    Tolerance: the unknown non-weight bytes move the count by at most
+    ``other x (1 - reserve) / block bytes`` blocks, all downwards."""
+    cfg = json.loads((Path(server.model) / "config.json").read_text())
+    hidden, inter, vocab = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    )
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
+    bf16, f32 = 2, 4
+    per_layer = (
+        hidden * (heads + 2 * kv_heads) * head_dim  # q, k, v projections
+        + heads * head_dim * hidden  # o projection
+        + 3 * hidden * inter  # gate, up, down
+        + 2 * hidden  # two RMSNorm weights
+    )
+    assert not cfg["tie_word_embeddings"]
+    weights = (2 * vocab * hidden + layers * per_layer + hidden) * bf16  # + final norm
+    block_bytes = layers * 2 * 128 * kv_heads * head_dim * bf16  # K and V, block 128
+    rope = cfg["max_position_embeddings"] * head_dim * bf16  # cos/sin per position
+    other = 2 * rope  # vLLM's cos/sin cache, + as much for buffers and small tensors
+
+    got = _memory_line(server)
+    assert got["total"] == CARD_BYTES
+    assert weights <= got["in_use"] <= weights + other, (got, weights)
+
+    # The peak: gate_up [T, 2I] and its activation [T, I] in bfloat16 are alive
+    # together (a lower bound); every activation of one decoder layer alive at
+    # once in float32, twice over (cast copies), plus the logits, bounds it above.
+    t, keys, rows = 64, 2 * 128, 4  # tokens, keys of the tile, logits rows
+    low = t * 3 * inter * bf16
+    layer = (
+        3 * t * hidden  # hidden, residual, normed
+        + 2 * t * (heads + 2 * kv_heads) * head_dim  # qkv, then q, k, v roped
+        + 2 * keys * (kv_heads + heads) * head_dim  # K, V gathered, GQA-repeated
+        + 2 * heads * t * keys  # scores and probabilities
+        + t * heads * head_dim
+        + t * hidden  # attention out, o projection
+        + t * 3 * inter
+        + t * hidden  # gate_up, activation, down
+    )
+    high = 2 * (layer + rows * vocab) * f32
+    assert low <= got["peak"] <= high, (got["peak"], low, high)
+
+    rest = int(CARD_BYTES * UTILIZATION) - weights - got["peak"]
+    most = int(rest * (1 - GRAPH_RESERVE)) // block_bytes
+    least = int((rest - other) * (1 - GRAPH_RESERVE)) // block_bytes
+    assert least <= _num_gpu_blocks(server) <= most, (least, most)

@@ -26,13 +26,13 @@ from tests.stacked_kv import (
     request_prefill_attention,
     write_kv,
 )
-from vllm_hpu_mm.attention.metadata import (
+from vllm_hpu_mm.attention.layout import (
     batched_decode_table,
-    build_prefill_requests,
     flat_decode,
     prefill_context_blocks,
     prefill_tiles,
 )
+from vllm_hpu_mm.attention.metadata import build_prefill_requests
 
 HEAD = 8
 ATOL = 1e-5

@@ -15,6 +15,11 @@ from hypothesis import strategies as st
 from hpu_kernels.attention import PAD_QUERY_POS, kv_cache_of_stacked
 from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
 from vllm_hpu_mm.attention.metadata import (
+    DynamicAttentionMetadata,
+    FlatDecodeInputs,
+    PrefillRequests,
+    PrefillTileInputs,
+    StaticAttentionMetadata,
     StepShape,
     build_metadata,
     count_leading_decodes,
@@ -22,8 +27,6 @@ from vllm_hpu_mm.attention.metadata import (
     split_metadata,
     token_row_of_real_tokens,
 )
-from vllm_hpu_mm.config import HpuMMConfig
-from vllm_hpu_mm.plan import build_plan
 
 CPU = torch.device("cpu")
 FIELDS = ["num_decodes", "decode_blocks", "num_prefill_tokens", "prefill_blocks"]
@@ -60,15 +63,21 @@ EXACT_BATCHED = StepShape(2, 2, 6, 3)
 PAD = PAD_QUERY_POS
 INT_FIELDS = [
     "slot_mapping",
-    "decode_seq_lens",
-    "decode_block_list",
-    "decode_block_req",
-    "decode_block_key_pos",
-    "decode_block_table",
-    "prefill_tile_blocks",
-    "prefill_tile_query_pos",
-    "prefill_tile_key_pos",
+    "decode.seq_lens",
+    "decode.block_list",
+    "decode.block_req",
+    "decode.block_key_pos",
+    "prefill.blocks",
+    "prefill.query_pos",
+    "prefill.key_pos",
 ]
+
+
+def field_of(md: object, path: str) -> torch.Tensor:
+    for name in path.split("."):
+        md = getattr(md, name)
+    assert isinstance(md, torch.Tensor), path
+    return md
 
 
 def attended(mask_row: torch.Tensor) -> list[int]:
@@ -95,28 +104,26 @@ def test_build_metadata_hand_worked_exact() -> None:
     md = build_metadata(Q, SEQ, TABLE, SLOTS, BS, EXACT, CPU)
     assert md.num_decodes == 2
     assert md.num_prefill_tokens == 6
-    assert md.num_actual_tokens == 8
-    assert md.decode_form == "flat"
+    assert isinstance(md, StaticAttentionMetadata)
     assert torch.equal(md.slot_mapping, i64(13, 23, 11, 36, 37, 38, 16, 17))
-    assert torch.equal(md.decode_seq_lens, i64(6, 4))
-    assert torch.equal(md.decode_block_list, i64(7, 3, 5))
-    assert torch.equal(md.decode_block_req, i64(0, 0, 1))
-    assert md.decode_block_mapping.tolist() == [[1, 1, 0], [0, 0, 1]]
-    assert (md.decode_block_bias == 0).tolist() == [
+    assert torch.equal(md.decode.seq_lens, i64(6, 4))
+    assert torch.equal(md.decode.block_list, i64(7, 3, 5))
+    assert torch.equal(md.decode.block_req, i64(0, 0, 1))
+    assert md.decode.block_mapping.tolist() == [[1, 1, 0], [0, 0, 1]]
+    assert (md.decode.block_bias == 0).tolist() == [
         [True] * 4,
         [True, True, False, False],  # A: positions 4, 5 of 6
         [True] * 4,
     ]
-    assert md.decode_block_key_pos.tolist() == [
+    assert md.decode.block_key_pos.tolist() == [
         [0, 1, 2, 3],
         [4, 5, 6, 7],
         [0, 1, 2, 3],
     ]
-    assert md.decode_block_table.shape == (2, 0)
-    assert torch.equal(md.prefill_tile_blocks, i64(2, 9, 4)[None])
-    assert md.prefill_tile_query_pos.tolist() == [[3, 4, 5, 6, 0, 1]]
-    assert md.prefill_tile_key_pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
-    mask = md.prefill_tile_mask[0]
+    assert torch.equal(md.prefill.blocks, i64(2, 9, 4)[None])
+    assert md.prefill.query_pos.tolist() == [[3, 4, 5, 6, 0, 1]]
+    assert md.prefill.key_pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    mask = md.prefill.mask[0]
     assert [attended(mask[r]) for r in range(6)] == [
         [0, 1, 2, 3],
         [0, 1, 2, 3, 4],
@@ -126,9 +133,9 @@ def test_build_metadata_hand_worked_exact() -> None:
         [8, 9],
     ]
     for name in INT_FIELDS:
-        assert getattr(md, name).dtype == torch.int64, name
-    assert md.decode_block_bias.dtype == md.decode_block_mapping.dtype == torch.float32
-    assert md.prefill_tile_mask.dtype == torch.bool
+        assert field_of(md, name).dtype == torch.int64, name
+    assert md.decode.block_bias.dtype == md.decode.block_mapping.dtype == torch.float32
+    assert md.prefill.mask.dtype == torch.bool
 
 
 def test_build_metadata_hand_worked_padded() -> None:
@@ -138,31 +145,34 @@ def test_build_metadata_hand_worked_padded() -> None:
     md = build_metadata(Q, SEQ, TABLE, SLOTS, BS, shape, CPU)
     assert md.num_decodes == 4
     assert md.num_prefill_tokens == 8
-    assert md.num_actual_tokens == 8
     # Decode rows 0..1 real, 2..3 pad; prefill rows 4..9 real, 10..11 pad.
     assert torch.equal(md.slot_mapping, i64(13, 23, 0, 0, 11, 36, 37, 38, 16, 17, 0, 0))
-    assert torch.equal(md.decode_seq_lens, i64(6, 4, 0, 0))
-    assert torch.equal(md.decode_block_list, i64(7, 3, 5, 0, 0))
-    assert torch.equal(md.decode_block_req, i64(0, 0, 1, 3, 3))
-    assert md.decode_block_mapping[:, 3:].sum() == 0  # padding blocks: no row
-    assert (md.decode_block_bias[3:] < -1e29).all()
-    assert torch.equal(md.prefill_tile_blocks, i64(2, 9, 4, 0, 0)[None])
-    assert md.prefill_tile_query_pos.tolist() == [[3, 4, 5, 6, 0, 1, PAD, PAD]]
-    mask = md.prefill_tile_mask[0]
+    assert torch.equal(md.decode.seq_lens, i64(6, 4, 0, 0))
+    assert torch.equal(md.decode.block_list, i64(7, 3, 5, 0, 0))
+    assert torch.equal(md.decode.block_req, i64(0, 0, 1, 3, 3))
+    assert md.decode.block_mapping[:, 3:].sum() == 0  # padding blocks: no row
+    assert (md.decode.block_bias[3:] < -1e29).all()
+    assert torch.equal(md.prefill.blocks, i64(2, 9, 4, 0, 0)[None])
+    assert md.prefill.query_pos.tolist() == [[3, 4, 5, 6, 0, 1, PAD, PAD]]
+    mask = md.prefill.mask[0]
     assert mask.shape == (8, 20)
     assert attended(mask[6]) == attended(mask[7]) == [0]  # padding rows: key 0
     assert attended(mask[5]) == [8, 9]
     rows = token_row_of_real_tokens(Q, shape)
     assert rows.tolist() == [0, 1, 4, 5, 6, 7, 8, 9]
 
-    batched = build_metadata(
-        Q, SEQ, TABLE, SLOTS, BS, StepShape(4, 3, 8, 5), CPU, decode_form="batched"
+    # The dynamic plan's: the real decode rows over a table of their real width
+    # (the bucket's 4 rows and 3 columns are padding), prefill per request.
+    dyn = build_metadata(
+        Q, SEQ, TABLE, SLOTS, BS, StepShape(4, 3, 8, 5), CPU, kind="dynamic"
     )
-    assert torch.equal(
-        batched.decode_block_table,
-        torch.tensor([[7, 3, 0], [5, 0, 0], [0, 0, 0], [0, 0, 0]]),
-    )
-    assert batched.decode_block_list.shape == (0,)
+    assert isinstance(dyn, DynamicAttentionMetadata)
+    assert (dyn.num_decodes, dyn.num_prefill_tokens, dyn.real_decodes) == (4, 8, 2)
+    assert torch.equal(dyn.decode_block_table, torch.tensor([[7, 3], [5, 0]]))
+    assert torch.equal(dyn.decode_seq_lens, i64(6, 4))
+    assert torch.equal(dyn.slot_mapping, md.slot_mapping)
+    assert isinstance(dyn.prefill, PrefillRequests)
+    assert dyn.prefill.rows == ((0, 4, 7), (4, 2, 2))
 
 
 def test_decode_first_layout_trailing_single_token_request_is_a_prefill() -> None:
@@ -175,11 +185,11 @@ def test_decode_first_layout_trailing_single_token_request_is_a_prefill() -> Non
     # The tile shows request 1's block and request 2's three.
     assert shape == StepShape(1, 2, 4, 4)
     md = build_metadata(q, seq, table, slots, 4, shape, CPU)
-    assert torch.equal(md.decode_seq_lens, i64(5))
-    assert torch.equal(md.decode_block_list, i64(1, 2))
-    assert md.prefill_tile_query_pos.tolist() == [[0, 1, 2, 8]]
-    assert torch.equal(md.prefill_tile_blocks, i64(3, 4, 5, 6)[None])
-    assert attended(md.prefill_tile_mask[0, 3]) == list(range(4, 13))
+    assert torch.equal(md.decode.seq_lens, i64(5))
+    assert torch.equal(md.decode.block_list, i64(1, 2))
+    assert md.prefill.query_pos.tolist() == [[0, 1, 2, 8]]
+    assert torch.equal(md.prefill.blocks, i64(3, 4, 5, 6)[None])
+    assert attended(md.prefill.mask[0, 3]) == list(range(4, 13))
     assert torch.equal(md.slot_mapping, torch.from_numpy(slots))
 
 
@@ -189,18 +199,16 @@ def test_only_decodes_and_only_prefills() -> None:
     table = np.array([[4, 0, 0], [5, 6, 7]], np.int64)
     slots = np.array([4 * 4 + 2, 7 * 4 + 0], np.int64)
     md = build_metadata(q, seq, table, slots, 4, StepShape(2, 4, 0, 0), CPU)
-    assert torch.equal(md.decode_block_list, i64(4, 5, 6, 7))
-    assert md.prefill_tile_blocks.shape == (0, 0)
-    assert md.prefill_tile_mask.shape == (0, 0, 0)
+    assert torch.equal(md.decode.block_list, i64(4, 5, 6, 7))
+    assert md.prefill is None  # no prefill rows: no tiles at all
 
     q = np.array([2, 3], np.int64)
     seq = np.array([2, 5], np.int64)
     slots = np.array([16, 17, 22, 23, 24], np.int64)
     md = build_metadata(q, seq, table, slots, 4, StepShape(0, 0, 5, 3), CPU)
-    assert md.decode_block_list.shape == (0,)
-    assert md.decode_block_mapping.shape == (0, 0)
-    assert md.prefill_tile_query_pos.tolist() == [[0, 1, 2, 3, 4]]
-    assert torch.equal(md.prefill_tile_blocks, i64(4, 5, 6)[None])
+    assert md.decode is None  # no decode rows: no decode inputs at all
+    assert md.prefill.query_pos.tolist() == [[0, 1, 2, 3, 4]]
+    assert torch.equal(md.prefill.blocks, i64(4, 5, 6)[None])
 
 
 def test_split_metadata_gives_each_part_its_own_rows() -> None:
@@ -211,11 +219,9 @@ def test_split_metadata_gives_each_part_its_own_rows() -> None:
     assert (pre.num_decodes, pre.num_prefill_tokens) == (0, 8)
     assert torch.equal(dec.slot_mapping, md.slot_mapping[:4])
     assert torch.equal(pre.slot_mapping, md.slot_mapping[4:])
-    assert torch.equal(dec.decode_block_list, md.decode_block_list)
-    assert dec.prefill_tile_mask.shape == (0, 8, 20)
-    assert torch.equal(pre.prefill_tile_mask, md.prefill_tile_mask)
-    assert pre.decode_block_list.shape == (0,)
-    assert pre.decode_block_mapping.shape == (0, 0)
+    assert torch.equal(dec.decode.block_list, md.decode.block_list)
+    assert dec.prefill is None and pre.decode is None
+    assert pre.prefill is md.prefill
 
 
 @pytest.mark.parametrize("name", FIELDS)
@@ -320,15 +326,28 @@ def test_properties_of_random_batches(b: dict) -> None:
         assert slot_map[row] == slot
     pad_rows = np.setdiff1d(np.arange(shape.num_tokens), rows)
     assert np.all(slot_map[pad_rows] == 0)
-    assert md.num_actual_tokens == len(tokens)
 
     # Flat decode: each decode row's real blocks, in order, exactly once; the
     # visible keys are its positions 0..seq-1; padding blocks belong to no row.
-    blist = md.decode_block_list.numpy()
-    breq = md.decode_block_req.numpy()
-    mapping = md.decode_block_mapping.numpy()
-    visible = md.decode_block_bias.numpy() == 0
-    kpos = md.decode_block_key_pos.numpy()
+    if shape.num_decodes == 0:
+        assert md.decode is None and n_dec == 0
+    else:
+        check_flat_decode(md.decode, shape, b, n_dec)
+    if shape.num_prefill_tokens == 0:
+        assert md.prefill is None
+    else:
+        check_tiles(md.prefill, shape, b, tokens[n_dec:])
+
+
+def check_flat_decode(
+    decode: FlatDecodeInputs, shape: StepShape, b: dict, n_dec: int
+) -> None:
+    seq = b["seq_lens"]
+    blist = decode.block_list.numpy()
+    breq = decode.block_req.numpy()
+    mapping = decode.block_mapping.numpy()
+    visible = decode.block_bias.numpy() == 0
+    kpos = decode.block_key_pos.numpy()
     assert blist.shape == (shape.decode_blocks,)
     k = 0
     for r in range(n_dec):
@@ -344,14 +363,16 @@ def test_properties_of_random_batches(b: dict) -> None:
     assert not visible[k:].any()
     assert mapping.sum() == k  # one row per real block, none for padding
 
-    # Prefill tiles: every real row sees exactly its request's positions
-    # 0..pos (through the blocks the tile reads), padding rows key 0 only.
-    nt, tq = md.prefill_tile_query_pos.shape if shape.num_prefill_tokens else (0, 0)
+
+def check_tiles(tiles: PrefillTileInputs, shape: StepShape, b: dict, pre: list) -> None:
+    """Every real row sees exactly its request's positions 0..pos (through
+    the blocks the tile reads), padding rows key 0 only."""
+    bs = b["bs"]
+    nt, tq = tiles.query_pos.shape
     assert nt * tq >= shape.num_prefill_tokens
-    tblocks = md.prefill_tile_blocks.numpy()
-    mask = md.prefill_tile_mask.numpy()
-    tkpos = md.prefill_tile_key_pos.numpy()
-    pre = tokens[n_dec:]
+    tblocks = tiles.blocks.numpy()
+    mask = tiles.mask.numpy()
+    tkpos = tiles.key_pos.numpy()
     for i in range(nt * tq):
         t, j = divmod(i, tq)
         keys = np.flatnonzero(mask[t, j])
@@ -359,7 +380,7 @@ def test_properties_of_random_batches(b: dict) -> None:
             assert keys.tolist() == [0]
             continue
         r, pos, _ = pre[i]
-        assert md.prefill_tile_query_pos[t, j] == pos
+        assert tiles.query_pos[t, j] == pos
         assert sorted(tkpos[t, keys].tolist()) == list(range(pos + 1))
         # Each visible key lies in one of the request's own blocks.
         for key in keys:
@@ -396,17 +417,17 @@ def reference_attention(
     return out
 
 
-@pytest.mark.parametrize("trim", [True, False], ids=["trim", "bucket"])
-@pytest.mark.parametrize("form", ["flat", "batched"])
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_metadata_drives_the_backend_like_the_reference(
-    block_size: int, window: int | None, form: str, trim: bool
+    block_size: int, window: int | None, kind: str
 ) -> None:
     """A mixed step (decodes + chunked prefills), padded, through the backend's
-    forward (K/V write, decode and prefill kernels), whole and split; decode
-    over the real rows and blocks only (``trim``, eager attention off Gaudi)
-    or over the whole bucket (as a traced graph runs it)."""
+    forward (K/V write, decode and prefill kernels). Static: flat decode and
+    tiles over the whole bucket (as a traced graph runs it), whole and split
+    into two passes; dynamic: the real decode rows and blocks only and the
+    prefill requests one by one (eager attention off Gaudi)."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head = 4, 2, 8
     scale = 0.35
@@ -442,6 +463,7 @@ def test_metadata_drives_the_backend_like_the_reference(
         np.int64,
     )
 
+    form = "flat" if kind == "static" else "batched"
     real = exact_shape(q, seq, block_size, form, tile=4)  # type: ignore[arg-type]
     shape = StepShape(
         real.num_decodes + 2,
@@ -457,8 +479,8 @@ def test_metadata_drives_the_backend_like_the_reference(
         block_size,
         shape,
         CPU,
-        decode_form=form,
-        tile=4,  # type: ignore[arg-type]
+        kind=kind,  # type: ignore[arg-type]
+        tile=4,
     )
     rows = token_row_of_real_tokens(q, shape)
 
@@ -477,15 +499,6 @@ def test_metadata_drives_the_backend_like_the_reference(
     impl = HpuMMAttentionImpl(
         num_heads, head, scale, num_kv_heads, sliding_window=window
     )
-    assert impl.plan.host_attention  # the CPU's default plan (dynamic)
-    # static: Gaudi's layouts only, padding included; dynamic: the real rows
-    impl.plan = build_plan(
-        HpuMMConfig(execution="dynamic" if trim else "static"), "cpu", False
-    )
-    assert (md.real_decodes, md.real_decode_blocks) == (
-        real.num_decodes,
-        real.decode_blocks,
-    )
     whole = impl.forward(
         None,
         query,
@@ -495,24 +508,35 @@ def test_metadata_drives_the_backend_like_the_reference(
         md,
         torch.empty_like(query),  # type: ignore[arg-type]
     )
-    # The same step as two passes (decode rows, then prefill rows).
-    split_cache = kv_cache_of_stacked(cache.clone())
-    dec, pre = split_metadata(md)
-    nd = md.num_decodes
-    parts = [
-        impl.forward(
-            None, query[s], key[s], value[s], split_cache, m, torch.empty_like(query[s])
-        )  # type: ignore[arg-type]
-        for s, m in ((slice(0, nd), dec), (slice(nd, None), pre))
-    ]
-    split = torch.cat(parts)
     assert torch.isfinite(whole).all()
-    if trim:  # padding decode rows computed nothing
+    if kind == "dynamic":  # padding decode rows computed nothing
+        assert isinstance(md, DynamicAttentionMetadata)
+        assert md.real_decodes == real.num_decodes
+        assert md.decode_block_table.shape == (real.num_decodes, real.decode_blocks)
         assert (whole[real.num_decodes : md.num_decodes] == 0).all()
-    # Real rows agree (padding rows read the null block, which both runs'
-    # padding rows write in a different order).
-    real_rows = torch.from_numpy(rows)
-    torch.testing.assert_close(split[real_rows], whole[real_rows], atol=1e-6, rtol=1e-6)
+    else:  # the same step as two passes (decode rows, then prefill rows)
+        assert isinstance(md, StaticAttentionMetadata)
+        split_cache = kv_cache_of_stacked(cache.clone())
+        dec, pre = split_metadata(md)
+        nd = md.num_decodes
+        parts = [
+            impl.forward(
+                None,
+                query[s],
+                key[s],
+                value[s],
+                split_cache,
+                m,
+                torch.empty_like(query[s]),
+            )  # type: ignore[arg-type]
+            for s, m in ((slice(0, nd), dec), (slice(nd, None), pre))
+        ]
+        # Real rows agree (padding rows read the null block, which both runs'
+        # padding rows write in a different order).
+        real_rows = torch.from_numpy(rows)
+        torch.testing.assert_close(
+            torch.cat(parts)[real_rows], whole[real_rows], atol=1e-6, rtol=1e-6
+        )
     k = 0
     for r, (c, n) in enumerate(specs):
         want = reference_attention(
@@ -523,17 +547,14 @@ def test_metadata_drives_the_backend_like_the_reference(
         k += n
 
 
-@pytest.mark.parametrize("form", ["flat", "batched"])
-def test_traced_decode_runs_the_whole_bucket(
-    form: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The static plan (attention traced into a graph) reads the bucket's
-    rows and blocks, never the step's real counts (host ints a graph would
-    guard on); the dynamic plan (eager, off Gaudi) reads the real ones, same
-    real rows."""
+def test_traced_decode_runs_the_whole_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static metadata (attention traced into a graph) gives the kernels
+    the bucket's rows and blocks, never the step's real counts (host ints a
+    graph would guard on); the dynamic metadata (eager, off Gaudi) the real
+    ones, with the same real rows."""
     from vllm_hpu_mm.attention import backend
 
-    seen: list[tuple[int, int]] = []  # (rows, blocks) each kernel call got
+    seen: list[tuple[str, int, int]] = []  # (kernel, rows, blocks) per call
     for name in ("decode_attention", "batched_decode_attention"):
         kernel = getattr(backend, name)
 
@@ -543,16 +564,20 @@ def test_traced_decode_runs_the_whole_bucket(
             blocks: torch.Tensor,
             *a: object,
             _k: object = kernel,
+            _name: str = name,
             **kw: object,
         ) -> torch.Tensor:
-            width = blocks.shape[-1] if form == "batched" else blocks.shape[0]
-            seen.append((query.shape[0], width))
+            width = blocks.shape[0] if _name == "decode_attention" else blocks.shape[-1]
+            seen.append((_name, query.shape[0], width))
             return _k(query, cache, blocks, *a, **kw)  # type: ignore[operator]
 
         monkeypatch.setattr(backend, name, spy)
     q, seq = Q[:2], SEQ[:2]
     shape = StepShape(4, 8, 0, 0)
-    md = build_metadata(q, seq, TABLE[:2], SLOTS[:2], BS, shape, CPU, decode_form=form)  # type: ignore[arg-type]
+    static = build_metadata(q, seq, TABLE[:2], SLOTS[:2], BS, shape, CPU)
+    dynamic = build_metadata(
+        q, seq, TABLE[:2], SLOTS[:2], BS, shape, CPU, kind="dynamic"
+    )
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 12, BS, 2, 8, generator=gen)
     query = torch.randn(4, 4, 8, generator=gen)
@@ -562,14 +587,12 @@ def test_traced_decode_runs_the_whole_bucket(
     def run(c: torch.Tensor, m: object) -> torch.Tensor:
         return impl.forward(None, query, key, value, c, m, torch.zeros_like(query))  # type: ignore[arg-type]
 
-    assert impl.plan.host_attention  # the CPU's default plan: dynamic
-    eager = run(kv_cache_of_stacked(cache.clone()), md)
-    impl.plan = build_plan(HpuMMConfig(execution="static"), "cpu", False)
+    eager = run(kv_cache_of_stacked(cache.clone()), dynamic)
     traced = torch.compile(run, backend="eager", fullgraph=True)(
-        kv_cache_of_stacked(cache.clone()), md
+        kv_cache_of_stacked(cache.clone()), static
     )
-    real_blocks = 3 if form == "flat" else 2  # A's 2 + B's 1, or A's 2
-    assert seen == [(2, real_blocks), (4, 8)]
+    # Dynamic: A's and B's rows over A's 2 columns; static: the whole bucket.
+    assert seen == [("batched_decode_attention", 2, 2), ("decode_attention", 4, 8)]
     torch.testing.assert_close(traced[:2], eager[:2], atol=1e-6, rtol=1e-6)
     assert (eager[2:] == 0).all()  # eager: padding rows computed nothing
     # Other real counts in the same bucket: the same graph (no guard on them).
@@ -578,17 +601,7 @@ def test_traced_decode_runs_the_whole_bucket(
 
     counter = CompileCounter()
     compiled = torch.compile(run, backend=counter, fullgraph=True)
-    md1 = build_metadata(
-        Q[:1],
-        SEQ[:1],
-        TABLE[:1],
-        SLOTS[:1],
-        BS,
-        shape,
-        CPU,
-        decode_form=form,  # type: ignore[arg-type]
-    )
-    assert (md1.real_decodes, md1.real_decode_blocks) != (2, real_blocks)
-    compiled(kv_cache_of_stacked(cache.clone()), md)
-    compiled(kv_cache_of_stacked(cache.clone()), md1)
+    one = build_metadata(Q[:1], SEQ[:1], TABLE[:1], SLOTS[:1], BS, shape, CPU)
+    compiled(kv_cache_of_stacked(cache.clone()), static)
+    compiled(kv_cache_of_stacked(cache.clone()), one)
     assert counter.frame_count == 1

@@ -29,13 +29,13 @@ from tests.unit.test_attention_kernels import (
     make_scenario,
     write_step,
 )
-from vllm_hpu_mm.attention.metadata import (
-    build_metadata,
+from vllm_hpu_mm.attention.layout import (
     exact_shape,
     prefill_context_blocks,
     prefill_tiles,
     spans_from_doc_ranges,
 )
+from vllm_hpu_mm.attention.metadata import PrefillRequests, build_metadata
 from vllm_hpu_mm.multimodal.placeholders import (
     ItemPlacement,
     RequestChunk,
@@ -237,14 +237,14 @@ def test_metadata_carries_spans_only_when_given() -> None:
     slots = np.arange(7, dtype=np.int64) + 8
     dev = torch.device("cpu")
     plain = build_metadata(q, seq, table, slots, 4, exact_shape(q, seq, 4), dev)
-    assert plain.prefill_tile_span_lo is None and plain.prefill_tile_span_hi is None
+    assert plain.prefill.span_lo is None and plain.prefill.span_hi is None
     spans = np.zeros((7, 2), np.int64)
     spans[2:6] = (1, 5)  # the prefill's positions 1..4 (token rows 2..5)
     shape = exact_shape(q, seq, 4, spans=spans)
     md = build_metadata(q, seq, table, slots, 4, shape, dev, spans=spans)
-    assert md.prefill_tile_span_lo is not None and md.prefill_tile_span_hi is not None
-    assert md.prefill_tile_span_lo.tolist() == [[0, 1, 1, 1, 1, 0]]
-    assert md.prefill_tile_span_hi.tolist() == [[0, 5, 5, 5, 5, 0]]
+    assert md.prefill.span_lo is not None and md.prefill.span_hi is not None
+    assert md.prefill.span_lo.tolist() == [[0, 1, 1, 1, 1, 0]]
+    assert md.prefill.span_hi.tolist() == [[0, 5, 5, 5, 5, 0]]
     with pytest.raises(ValueError, match=r"spans must be \[7, 2\]"):
         exact_shape(q, seq, 4, spans=spans[:6])
 
@@ -301,11 +301,12 @@ def test_vllm_metadata_builder_reads_the_doc_ranges() -> None:
         torch.device("cpu"),
     )
     md = builder.build(0, cm)
-    assert md.prefill_tile_span_lo is not None and md.prefill_tile_span_hi is not None
-    lo, hi = md.prefill_tile_span_lo.tolist()[0], md.prefill_tile_span_hi.tolist()[0]
+    assert md.prefill.span_lo is not None and md.prefill.span_hi is not None
+    lo, hi = md.prefill.span_lo.tolist()[0], md.prefill.span_hi.tolist()[0]
     assert lo == [0] + [1] * 10 + [0] and hi == [0] + [11] * 10 + [0]
     cm.mm_req_doc_ranges = None
-    assert builder.build(0, cm).prefill_tile_span_lo is None
+    # Without spans (the CPU's dynamic plan): the prefill request by request.
+    assert isinstance(builder.build(0, cm).prefill, PrefillRequests)
 
 
 def test_build_step_carries_the_image_spans_of_bidirectional_models() -> None:
@@ -338,7 +339,7 @@ def test_build_step_carries_the_image_spans_of_bidirectional_models() -> None:
         return shape, n
 
     plain = build_step(["d", "p"], states, q, exact, 4, cpu)  # type: ignore[arg-type]
-    assert plain.attn_metadata.prefill_tile_span_lo is None
+    assert plain.attn_metadata.prefill.span_lo is None
     batch = build_step(
         ["d", "p"],
         states,
@@ -349,7 +350,7 @@ def test_build_step_carries_the_image_spans_of_bidirectional_models() -> None:
         bidirectional_images=True,
     )
     md = batch.attn_metadata
-    assert md.prefill_tile_span_lo is not None and md.prefill_tile_span_hi is not None
+    assert md.prefill.span_lo is not None and md.prefill.span_hi is not None
     # Positions 5..8 are in the image (span [3, 9)); 9..11 are text.
-    assert md.prefill_tile_span_lo.tolist() == [[3, 3, 3, 3, 0, 0, 0]]
-    assert md.prefill_tile_span_hi.tolist() == [[9, 9, 9, 9, 0, 0, 0]]
+    assert md.prefill.span_lo.tolist() == [[3, 3, 3, 3, 0, 0, 0]]
+    assert md.prefill.span_hi.tolist() == [[9, 9, 9, 9, 0, 0, 0]]

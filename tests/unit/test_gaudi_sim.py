@@ -377,6 +377,70 @@ def test_card_memory_counts_the_live_tensors(monkeypatch: pytest.MonkeyPatch) ->
     assert hpu.max_memory_allocated() == start
 
 
+def test_card_memory_counts_parameter_subclasses_not_fake_tensors() -> None:
+    """vLLM's linear weights are ``torch.nn.Parameter`` subclasses
+    (``ModelWeightParameter``, keeping PyTorch's dispatch): on the card as any
+    weight. Dynamo's fake tensors (their own ``__torch_dispatch__``) are not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from vllm.model_executor.parameter import ModelWeightParameter
+
+    assert issubclass(ModelWeightParameter, torch.nn.Parameter)
+    assert ModelWeightParameter.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+
+    class WeightParameter(torch.nn.Parameter):  # as vLLM's, without its TP state
+        pass
+
+    mib = 2**20
+    hpu = card.SimHost(memory=2**34).process("worker")
+    start = hpu.memory_allocated()
+    weight = WeightParameter(torch.empty(mib, dtype=torch.float32), requires_grad=False)
+    assert hpu.memory_allocated() - start == 4 * mib
+    with FakeTensorMode():
+        fake = torch.empty(8 * mib, dtype=torch.uint8)
+    assert hpu.memory_allocated() - start == 4 * mib
+    del weight, fake
+
+
+def test_card_memory_reads_past_dead_weak_proxies() -> None:
+    """The garbage collector's objects include dead weak proxies (vLLM's engine
+    holds some), on which ``isinstance`` raises ReferenceError."""
+    import weakref
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    proxy = weakref.proxy(holder)
+    del holder
+    hpu = card.SimHost(memory=2**34).process("worker")
+    assert hpu.memory_allocated() >= 0
+    del proxy
+
+
+def test_card_peak_sees_activations_freed_before_it_is_read() -> None:
+    """As the real allocator's ``max_memory_allocated`` (the maximum memory
+    occupied by tensors since ``reset_peak_memory_stats``): a step's
+    activations freed before the peak is read still count, as they do when a
+    memory profile sizes the KV cache (``worker.profile.device_meter``)."""
+    mib = 2**20
+    hpu = card.SimHost(memory=2**34).process("worker")
+    hpu.reset_peak_memory_stats()
+    start = hpu.memory_allocated()
+    kept = torch.ones(mib, dtype=torch.float32)  # 4 MiB, alive at the read
+
+    def step() -> float:
+        big = kept.repeat(4)  # 16 MiB
+        return float((big * 2).sum())  # and 16 MiB more while big is alive
+
+    step()
+    assert hpu.memory_allocated() == start + 4 * mib
+    peak = hpu.max_memory_allocated() - start
+    assert 36 * mib <= peak <= 36 * mib + 64, peak  # + the sum's scalar
+    # The read closes the window: a reset starts afresh from what is alive.
+    hpu.reset_peak_memory_stats()
+    assert hpu.max_memory_allocated() == start + 4 * mib
+
+
 def test_card_out_of_memory_says_how_much() -> None:
     hpu = card.SimHost(memory=2**20).process("worker")
     keep = torch.empty(2 * 2**20, dtype=torch.uint8)

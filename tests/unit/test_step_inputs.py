@@ -3,6 +3,7 @@ and build_step, on hand-built RequestState objects (no engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import SamplingParams
 
-from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
+from vllm_hpu_mm.attention.metadata import (
+    DynamicAttentionMetadata,
+    PrefillRequests,
+    StaticAttentionMetadata,
+    StepShape,
+    build_metadata,
+)
 from vllm_hpu_mm.worker.inputs import build_step, gather_step, order_requests
 from vllm_hpu_mm.worker.requests import RequestState
 
@@ -158,46 +165,46 @@ def test_build_step_hand_worked() -> None:
     assert torch.equal(
         md.slot_mapping, i64(14, 27, 0, 0, 4, 5, 6, 7, 36, 8, 9, 10, *[0] * 8)
     )
-    assert md.decode_form == "flat"
-    assert torch.equal(md.decode_block_list, i64(8, 3, 6, 0))
-    assert torch.equal(md.decode_block_req, i64(0, 0, 1, 3))
-    assert md.decode_block_mapping.tolist() == [
+    assert isinstance(md, StaticAttentionMetadata)
+    assert torch.equal(md.decode.block_list, i64(8, 3, 6, 0))
+    assert torch.equal(md.decode.block_req, i64(0, 0, 1, 3))
+    assert md.decode.block_mapping.tolist() == [
         [1, 1, 0, 0],
         [0, 0, 1, 0],
         [0, 0, 0, 0],
         [0, 0, 0, 0],
     ]
-    assert torch.equal(md.decode_seq_lens, i64(7, 4, 0, 0))
+    assert torch.equal(md.decode.seq_lens, i64(7, 4, 0, 0))
     # dec: positions 0..6 of blocks 8, 3 visible; dec2: 0..3 of block 6.
-    visible = (md.decode_block_bias == 0).tolist()
+    visible = (md.decode.block_bias == 0).tolist()
     assert visible[:3] == [[True] * 4, [True, True, True, False], [True] * 4]
     assert visible[3] == [False] * 4
     # One tile of 16 rows over 8 blocks: span's blocks, fresh's, padding.
-    assert torch.equal(md.prefill_tile_blocks, i64(5, 1, 9, 2, 0, 0, 0, 0)[None])
+    assert torch.equal(md.prefill.blocks, i64(5, 1, 9, 2, 0, 0, 0, 0)[None])
     pad = -(2**40)
-    assert md.prefill_tile_query_pos.tolist() == [[4, 5, 6, 7, 8, 0, 1, 2, *[pad] * 8]]
-    mask = md.prefill_tile_mask[0]  # [16 rows, 32 keys]
+    assert md.prefill.query_pos.tolist() == [[4, 5, 6, 7, 8, 0, 1, 2, *[pad] * 8]]
+    mask = md.prefill.mask[0]  # [16 rows, 32 keys]
     assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # span pos 4
     assert mask[4].nonzero().flatten().tolist() == list(range(9))  # span pos 8
     assert mask[5].nonzero().flatten().tolist() == [12]  # fresh pos 0
     assert mask[7].nonzero().flatten().tolist() == [12, 13, 14]  # fresh pos 2
     assert all(mask[r].nonzero().flatten().tolist() == [0] for r in range(8, 16))
 
-    batched = build_step(
+    dynamic = build_step(
         req_ids,
         [states[r] for r in req_ids],
         q,
         lambda exact, n: (bucket, 6),
         BS,
         CPU,
-        decode_form="batched",
+        kind="dynamic",
     )
-    assert torch.equal(
-        batched.attn_metadata.decode_block_table,
-        torch.tensor([[8, 3, 0, 0], [6, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]),
-    )
-    assert batched.attn_metadata.decode_block_list.numel() == 0
-    assert md.num_actual_tokens == 10
+    dmd = dynamic.attn_metadata
+    assert isinstance(dmd, DynamicAttentionMetadata)
+    # The real decode rows over their widest row's 2 blocks.
+    assert torch.equal(dmd.decode_block_table, torch.tensor([[8, 3], [6, 0]]))
+    assert torch.equal(dmd.slot_mapping, md.slot_mapping)
+    assert isinstance(dmd.prefill, PrefillRequests)
 
 
 def test_build_step_exact_bucket() -> None:
@@ -350,17 +357,10 @@ def test_gather_and_build_step_properties(
     # The metadata is exactly build_metadata's on the gathered arrays.
     md = batch.attn_metadata
     want = build_metadata(q, seq_lens, table, slots, bs, shape, CPU)
-    for name in [
-        "slot_mapping",
-        "decode_seq_lens",
-        "decode_block_list",
-        "decode_block_req",
-        "decode_block_bias",
-        "decode_block_mapping",
-        "decode_block_table",
-        "prefill_tile_blocks",
-        "prefill_tile_mask",
-        "prefill_tile_query_pos",
-        "prefill_tile_key_pos",
-    ]:
-        assert torch.equal(getattr(md, name), getattr(want, name)), name
+    assert torch.equal(md.slot_mapping, want.slot_mapping)
+    for part in ("decode", "prefill"):
+        got, ref = getattr(md, part), getattr(want, part)
+        assert (got is None) == (ref is None), part
+        for f in dataclasses.fields(ref) if ref is not None else ():
+            a, b = getattr(got, f.name), getattr(ref, f.name)
+            assert (a is None and b is None) or torch.equal(a, b), f"{part}.{f.name}"

@@ -1,18 +1,20 @@
 """vLLM attention backend of the plugin: pure-PyTorch paged attention.
 
 The model's ``Attention`` layers call ``HpuMMAttentionImpl.forward`` with the
-step's ``HpuMMAttentionMetadata`` (set by our model runner through vLLM's forward
-context). The forward writes this step's K/V into the paged cache, then runs the
-decode rows (flat or batched form) and the prefill rows (tiles) through the
-kernels of ``hpu_kernels``.
+step's metadata (set by our model runner through vLLM's forward context). The
+forward dispatches once, on the metadata's class (the execution plan's,
+``vllm_hpu_mm.plan``), into one of two functions that each read top to bottom:
 
-Which layout it reads is the execution plan's (``vllm_hpu_mm.plan``). Static
-(Gaudi's path): the platform's ``opaque_attention_op`` is False, so vLLM's
-``Attention.forward`` calls ``unified_attention_with_output`` directly and
-Dynamo traces this forward into the compiled body: its static shapes (and the
-metadata's ints) are the graph key. Dynamic: it runs as vLLM's opaque op
-between the compiled pieces (or in eager mode) and, off Gaudi, reads the host
-extras of the metadata (real rows and blocks, prefill requests, dense cache).
+- ``_forward_static`` (``StaticAttentionMetadata``, Gaudi's path): the
+  platform's ``opaque_attention_op`` is False, so vLLM's ``Attention.forward``
+  calls ``unified_attention_with_output`` directly and Dynamo traces this
+  function into the compiled body; the metadata holds only the bucket's
+  tensors and row counts, the graph key. Flat decode, prefill tiles.
+- ``_forward_dynamic`` (``DynamicAttentionMetadata``, off Gaudi): vLLM's
+  opaque op between the compiled pieces (or eager mode), over the step's real
+  rows and blocks: batched or dense-cache decode, prefill request by request.
+
+Each writes this step's K/V into the paged cache first.
 """
 
 from __future__ import annotations
@@ -50,12 +52,17 @@ from vllm_hpu_mm.attention.kv_dtype import (
     layer_scales,
 )
 from vllm_hpu_mm.attention.metadata import (
+    DECODE_FORM,
+    DynamicAttentionMetadata,
     HpuMMAttentionMetadata,
+    PrefillRequests,
+    PrefillTileInputs,
+    StaticAttentionMetadata,
     build_metadata,
     exact_shape,
     spans_from_doc_ranges,
 )
-from vllm_hpu_mm.plan import ExecutionPlan, current_plan
+from vllm_hpu_mm.plan import ExecutionPlan, current_plan, plan_of
 
 
 class HpuMMAttentionBackend(AttentionBackend):
@@ -157,11 +164,7 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
         # The SDPA kernel of the device: FusedSDPA on Gaudi, PyTorch's elsewhere.
         self.sdpa: SdpaFn = device.sdpa_kernel(_softmax_mode())
         # The execution plan (vllm_hpu_mm.plan), read under the vLLM config the
-        # layers are built with. ``host_attention`` (dynamic, off Gaudi): this
-        # forward never runs under a graph and reads the step's real decode
-        # rows and blocks and its prefill requests, not its bucket's (shapes
-        # that change every step: free on the CPU and CUDA, a graph each on
-        # Gaudi). Otherwise (static) it reads only what a graph may see.
+        # layers are built with; the metadata the runner builds follows it.
         self.plan: ExecutionPlan = current_plan()
         # The KV write, by the compiler that sees it (a device fact, not a
         # path): a plain in-place index_copy_ where hpu_backend compiles it
@@ -194,12 +197,87 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             kv_cache, key, value = self._write_fp8(layer, kv_cache, key, value, md)
         else:
             self.write_kv(kv_cache, key, value, md.slot_mapping)
+        if isinstance(md, StaticAttentionMetadata):
+            return self._forward_static(query, kv_cache, md, output)
+        assert isinstance(md, DynamicAttentionMetadata), type(md)
+        return self._forward_dynamic(query, key, value, kv_cache, md, output)
+
+    def _forward_static(
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        md: StaticAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """The static plan: traced into the step's graph, it reads only the
+        bucket's tensors; decode rows over the flat block list, then prefill
+        rows in tiles (a part the bucket lacks is None)."""
         n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
-        if n_dec:
-            self._decode_into(output, query, key, value, kv_cache, md)
-        reqs = md.prefill_requests if self.plan.per_request_prefill else None
-        if n_pre and reqs is not None:
-            rows = slice(n_dec, n_dec + n_pre)
+        if md.decode is not None:
+            d = md.decode
+            output[:n_dec] = decode_attention(
+                query[:n_dec],
+                kv_cache,
+                d.block_list,
+                d.block_req,
+                d.block_bias,
+                d.block_key_pos,
+                d.block_mapping,
+                d.seq_lens,
+                self.scale,
+                self.sliding_window,
+            )
+        if md.prefill is not None:
+            output[n_dec : n_dec + n_pre] = self._tiles(
+                query[n_dec : n_dec + n_pre], kv_cache, md.prefill
+            )
+        return output
+
+    def _forward_dynamic(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        md: DynamicAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """The dynamic plan off Gaudi: outside any graph, over the step's real
+        rows and blocks. Decode rows read the dense decode cache (where the
+        runner set it) or the batched table of their real width, padding rows
+        get zeros (the bucket's padding costs as much as real work); prefill
+        runs request by request (tiles only with bidirectional spans)."""
+        n_dec, n_pre, real = md.num_decodes, md.num_prefill_tokens, md.real_decodes
+        output[real:n_dec].zero_()
+        if real and md.dense is not None:
+            step = md.dense
+            output[:real] = dense_decode_attention(
+                query[:real],
+                key[:real],
+                value[:real],
+                kv_cache,
+                step.cache.tensor_for(kv_cache),
+                step.slots,
+                step.positions,
+                step.fill_slots,
+                step.fill_blocks,
+                step.mask(self.sliding_window),
+                self.scale,
+                sdpa=self.sdpa,
+            )
+        elif real:
+            output[:real] = batched_decode_attention(
+                query[:real],
+                kv_cache,
+                md.decode_block_table,
+                md.decode_seq_lens,
+                self.scale,
+                self.sliding_window,
+                sdpa=self.sdpa,
+            )
+        rows = slice(n_dec, n_dec + n_pre)
+        if isinstance(md.prefill, PrefillRequests):
+            reqs = md.prefill
             output[rows] = request_prefill_attention(
                 query[rows],
                 key[rows],
@@ -211,20 +289,8 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
                 self.scale,
                 sdpa=self.sdpa,
             )
-        elif n_pre:
-            output[n_dec : n_dec + n_pre] = prefill_attention(
-                query[n_dec : n_dec + n_pre],
-                kv_cache,
-                md.prefill_tile_blocks,
-                md.prefill_tile_mask,
-                md.prefill_tile_query_pos,
-                md.prefill_tile_key_pos,
-                self.scale,
-                self.sliding_window,
-                sdpa=self.sdpa,
-                span_lo=md.prefill_tile_span_lo,
-                span_hi=md.prefill_tile_span_hi,
-            )
+        elif md.prefill is not None:
+            output[rows] = self._tiles(query[rows], kv_cache, md.prefill)
         return output
 
     def _write_fp8(
@@ -254,86 +320,22 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
             dequantize(value_q, v_scale, value.dtype),
         )
 
-    def _decode_into(
-        self,
-        output: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        md: HpuMMAttentionMetadata,
-    ) -> None:
-        """Decode rows ``[0, num_decodes)`` of ``output``. Where the plan's
-        attention runs on the host (``host_attention``), only the real rows
-        and blocks are computed: the bucket's padding blocks (a batched table
-        of 32 blocks for requests of at most 20, say) cost as much as real ones, and
-        padding rows get zeros; with a dense decode cache (``md.dense``) the
-        rows read their slots of it instead of gathering paged blocks."""
-        n_dec = md.num_decodes
-        rows, blocks = n_dec, None
-        # Never under a graph (there a read int would be a guard: a graph per
-        # step's counts); the plan guarantees it.
-        if (
-            self.plan.host_attention
-            and md.real_decodes is not None
-            and md.real_decode_blocks is not None
-        ):
-            rows, blocks = md.real_decodes, md.real_decode_blocks
-            if rows < n_dec:
-                output[rows:n_dec].zero_()
-            if rows == 0:
-                return
-            if md.dense is not None:
-                step = md.dense
-                output[:rows] = dense_decode_attention(
-                    query[:rows],
-                    key[:rows],
-                    value[:rows],
-                    kv_cache,
-                    step.cache.tensor_for(kv_cache),
-                    step.slots,
-                    step.positions,
-                    step.fill_slots,
-                    step.fill_blocks,
-                    step.mask(self.sliding_window),
-                    self.scale,
-                    sdpa=self.sdpa,
-                )
-                return
-        output[:rows] = self._decode(query[:rows], kv_cache, md, rows, blocks)
-
-    def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: KVCache,
-        md: HpuMMAttentionMetadata,
-        rows: int,
-        blocks: int | None,
+    def _tiles(
+        self, query: torch.Tensor, kv_cache: KVCache, tiles: PrefillTileInputs
     ) -> torch.Tensor:
-        """``rows`` decode rows over the first ``blocks`` blocks (flat list
-        entries, or batched table columns; None: all of them)."""
-        seq_lens = md.decode_seq_lens[:rows]
-        if md.decode_form == "flat":
-            return decode_attention(
-                query,
-                kv_cache,
-                md.decode_block_list[:blocks],
-                md.decode_block_req[:blocks],
-                md.decode_block_bias[:blocks],
-                md.decode_block_key_pos[:blocks],
-                md.decode_block_mapping[:rows, :blocks],
-                seq_lens,
-                self.scale,
-                self.sliding_window,
-            )
-        return batched_decode_attention(
+        """Prefill rows ``query`` ([N, H, D], N = tiles x rows) in tiles."""
+        return prefill_attention(
             query,
             kv_cache,
-            md.decode_block_table[:rows, :blocks],
-            seq_lens,
+            tiles.blocks,
+            tiles.mask,
+            tiles.query_pos,
+            tiles.key_pos,
             self.scale,
             self.sliding_window,
             sdpa=self.sdpa,
+            span_lo=tiles.span_lo,
+            span_hi=tiles.span_hi,
         )
 
 
@@ -359,13 +361,16 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
         self.vllm_config = vllm_config  # type: ignore[assignment]
         self.device = device
         self.block_size = kv_cache_spec.block_size
+        self.kind = plan_of(vllm_config).attention_metadata
 
     def build(
         self,
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> HpuMMAttentionMetadata:
+    ) -> StaticAttentionMetadata | DynamicAttentionMetadata:
+        """Our metadata of the plan's kind (``ExecutionPlan.attention_metadata``)
+        at the batch's exact shape."""
         cm = common_attn_metadata
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
         query_lens = np.diff(qsl)
@@ -381,8 +386,15 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
             block_table=cm.block_table_tensor.cpu().numpy().astype(np.int64),
             slot_mapping=cm.slot_mapping[:n].cpu().numpy().astype(np.int64),
             block_size=self.block_size,
-            shape=exact_shape(query_lens, seq_lens, self.block_size, spans=spans),
+            shape=exact_shape(
+                query_lens,
+                seq_lens,
+                self.block_size,
+                DECODE_FORM[self.kind],
+                spans=spans,
+            ),
             device=self.device,
+            kind=self.kind,
             spans=spans,
         )
 

@@ -1,25 +1,24 @@
-"""Attention metadata of one engine step, and the pure functions that build it.
+"""Attention metadata of one engine step: one class per execution plan.
 
-Index spaces used below:
+Which class a step carries is the plan's (``ExecutionPlan.attention_metadata``,
+``vllm_hpu_mm.plan``), decided once at start-up:
 
-- *token rows*: rows of the step's flattened token batch, decode rows first
-  (``[0, num_decodes)``), then prefill rows (``[num_decodes, num_tokens)``);
-- *positions*: a token's absolute position inside its request;
-- *slots*: rows of a layer's KV cache seen as ``[num_blocks * block_size]``;
-- *tiles*: the prefill rows cut into ``NT`` tiles of ``tq`` consecutive rows
-  (``tq = min(PREFILL_TILE, num_prefill_tokens)``).
+- ``StaticAttentionMetadata`` (the static plan, and every plan on Gaudi): the
+  inputs of a compiled graph and nothing else. Every tensor has the shape of
+  the step's bucket (``StepShape``) and its ints are part of the bucket key, so
+  the graph Dynamo traces through attention sees no host value that changes
+  from step to step. A part the bucket does not have (no decode rows, say) is
+  None, not an empty tensor.
+- ``DynamicAttentionMetadata`` (the dynamic plan off Gaudi, where attention
+  never runs under a graph): host-side lengths that change every step. The
+  real decode rows over a batched block table of their real width (or their
+  slots of the dense decode cache), the prefill requests one by one (tiles
+  only for bidirectional image spans).
 
-Bidirectional image spans (Gemma 3): ``spans`` arguments below are ``[N, 2]``
-int64, per real token (token order), the positions ``[start, end)`` of the span
-(an image's run of embedding tokens) whose tokens attend to each other both ways,
-on top of causal attention; ``(0, 0)`` outside any span. A prefill tile then
-also shows each request's keys up to the end of its rows' spans, and each row
-carries its span in the tile's key columns (``prefill_tile_span_lo/hi``).
-
-Every tensor has a length fixed by the step's bucket (``StepShape``); padding
-entries are described field by field and never touch a real KV slot. Masks,
-block lists and gather indices are built here once per step (on the host), not
-per layer.
+Both share the row layout (token rows ``[0, num_decodes)`` are decode rows,
+then ``num_prefill_tokens`` prefill rows), the slot mapping, the multimodal
+placeholder maps and the cross-attention inputs. The host arrays come from
+the pure functions of ``attention.layout``.
 """
 
 from __future__ import annotations
@@ -32,112 +31,74 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionMetadata
 
+from vllm_hpu_mm.attention.layout import (
+    PAD_BLOCK,
+    PAD_SLOT,
+    PREFILL_TILE,
+    DecodeForm,
+    StepShape,
+    batched_decode_table,
+    check_fits,
+    count_leading_decodes,
+    exact_shape,
+    flat_decode,
+    prefill_spans,
+    prefill_tiles,
+    spans_from_doc_ranges,
+    tile_rows,
+    token_row_of_real_tokens,
+)
+
 if TYPE_CHECKING:
     from vllm_hpu_mm.attention.decode_cache import DenseDecodeStep
     from vllm_hpu_mm.worker.buffers import DeviceBuffers
     from vllm_hpu_mm.worker.merge import MergeMap
 
-from hpu_kernels.attention import MASKED_SCORE, PAD_QUERY_POS
+__all__ = [
+    "DECODE_FORM",
+    "PAD_BLOCK",
+    "PAD_SLOT",
+    "PREFILL_TILE",
+    "DecodeForm",
+    "DynamicAttentionMetadata",
+    "FlatDecodeInputs",
+    "HpuMMAttentionMetadata",
+    "MetadataKind",
+    "PrefillRequests",
+    "PrefillTileInputs",
+    "StaticAttentionMetadata",
+    "StepShape",
+    "build_metadata",
+    "build_prefill_requests",
+    "check_fits",
+    "count_leading_decodes",
+    "exact_shape",
+    "spans_from_doc_ranges",
+    "split_metadata",
+    "tile_rows",
+    "token_row_of_real_tokens",
+]
 
-# The slot padding tokens write to: slot 0 of vLLM's null block, owned by no request.
-PAD_SLOT = 0
-PAD_BLOCK = 0
+MetadataKind = Literal["static", "dynamic"]
+"""Which metadata a plan's steps carry (``ExecutionPlan.attention_metadata``)."""
 
-PREFILL_TILE = 128
-"""Prefill rows per attention tile. Larger tiles gather each request's context
-fewer times; smaller ones let a tile read fewer other requests' keys."""
-
-DecodeForm = Literal["flat", "batched"]
-"""``flat``: the decode rows' real blocks as one list (``decode_blocks`` is the
-list's length); ``batched``: a ``[num_decodes, decode_blocks]`` block table."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """Padded sizes of one step (a bucket). Real sizes must not exceed them.
-
-    With attention inside the compiled graph, this is the graph key: a decode
-    part ``(num_decodes, decode_blocks)`` and a prefill part
-    ``(num_prefill_tokens, prefill_blocks)``; a mixed step runs as two passes
-    (``decode_part``, ``prefill_part``), so graphs add up instead of multiplying.
-    """
-
-    num_decodes: int  # decode rows (one token each)
-    decode_blocks: int  # flat: blocks of all decode rows; batched: table width
-    num_prefill_tokens: int  # flattened prefill tokens
-    prefill_blocks: int  # context blocks read by one prefill tile (widest tile)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_decodes + self.num_prefill_tokens
-
-    @property
-    def is_mixed(self) -> bool:
-        return self.num_decodes > 0 and self.num_prefill_tokens > 0
-
-    def decode_part(self) -> StepShape:
-        return StepShape(self.num_decodes, self.decode_blocks, 0, 0)
-
-    def prefill_part(self) -> StepShape:
-        return StepShape(0, 0, self.num_prefill_tokens, self.prefill_blocks)
+DECODE_FORM: dict[MetadataKind, DecodeForm] = {"static": "flat", "dynamic": "batched"}
+"""The decode form each metadata lays out (what its bucket's ``decode_blocks``
+counts: ``layout.exact_shape``)."""
 
 
-def tile_rows(num_prefill_tokens: int, tile: int = PREFILL_TILE) -> tuple[int, int]:
-    """(tiles, rows per tile) of a prefill part of ``num_prefill_tokens`` rows."""
-    if num_prefill_tokens == 0:
-        return 0, 0
-    tq = min(tile, num_prefill_tokens)
-    return -(-num_prefill_tokens // tq), tq
-
-
-@dataclass
+@dataclass(kw_only=True)
 class HpuMMAttentionMetadata(AttentionMetadata):
-    """What the attention kernels need for one step, shared by all layers."""
+    """What both plans' metadata share: the step's row layout, its KV writes,
+    its multimodal maps and cross-attention inputs."""
 
     num_decodes: int
     """Decode rows (padded): token rows [0, num_decodes) are one request each."""
     num_prefill_tokens: int
     """Prefill token rows (padded): rows [num_decodes, num_decodes + this)."""
-    num_actual_tokens: int
-    """Real (unpadded) tokens of the step, decode and prefill together."""
-    decode_form: str
-    """``flat`` or ``batched`` (``DecodeForm``): which decode tensors are used."""
     slot_mapping: torch.Tensor
     """[num_tokens] int64, cache slot written by each token row; padding rows
     write PAD_SLOT in the null block."""
-    decode_seq_lens: torch.Tensor
-    """[num_decodes] int64 context length including the current token; 0 on
-    padding rows."""
-    decode_block_list: torch.Tensor
-    """flat: [decode_blocks] int64 block ids of every decode row, row after row;
-    PAD_BLOCK on padding. batched: empty."""
-    decode_block_req: torch.Tensor
-    """flat: [decode_blocks] int64 decode row owning each block (padding blocks:
-    the last row). batched: empty."""
-    decode_block_bias: torch.Tensor
-    """flat: [decode_blocks, block_size] float32 additive score, 0 on keys inside
-    the row's length, MASKED_SCORE elsewhere. batched: empty."""
-    decode_block_key_pos: torch.Tensor
-    """flat: [decode_blocks, block_size] int64 position of each key in its
-    request (for sliding windows). batched: empty."""
-    decode_block_mapping: torch.Tensor
-    """flat: [num_decodes, decode_blocks] float32 one-hot row of each block
-    (padding blocks: all 0). batched: empty."""
-    decode_block_table: torch.Tensor
-    """batched: [num_decodes, decode_blocks] int64 block ids; PAD_BLOCK past
-    each row's last block and on padding rows. flat: empty."""
-    prefill_tile_blocks: torch.Tensor
-    """[NT, prefill_blocks] int64 blocks each tile reads: for each request with
-    rows in the tile, its blocks up to the tile's last row of it; PAD_BLOCK on
-    padding."""
-    prefill_tile_mask: torch.Tensor
-    """[NT, tq, prefill_blocks * block_size] bool: row may attend key (same
-    request, key position <= row position); padding rows keep key 0 only."""
-    prefill_tile_query_pos: torch.Tensor
-    """[NT, tq] int64 position of each prefill row; PAD_QUERY_POS on padding."""
-    prefill_tile_key_pos: torch.Tensor
-    """[NT, prefill_blocks * block_size] int64 position of each key in its
-    request; 0 on padding."""
     mm_maps: dict[str, MergeMap] = field(default_factory=dict)
     """Per modality: the placeholder map of this step's chunk
     (``worker.merge.MergeMap``: encoder-store rows to token rows, one entry
@@ -146,29 +107,87 @@ class HpuMMAttentionMetadata(AttentionMetadata):
     cross: object | None = None
     """Cross-attention inputs of the step (``attention.cross``), for models whose
     images are read by cross-attention layers; None otherwise."""
-    prefill_tile_span_lo: torch.Tensor | None = None
+
+
+@dataclass
+class FlatDecodeInputs:
+    """The decode rows as one flat list of their blocks (Gaudi's flat paged
+    attention); B = the bucket's ``num_decodes``, NB = its ``decode_blocks``."""
+
+    seq_lens: torch.Tensor
+    """[B] int64 context length including the current token; 0 on padding rows."""
+    block_list: torch.Tensor
+    """[NB] int64 block ids of every decode row, row after row; PAD_BLOCK on
+    padding."""
+    block_req: torch.Tensor
+    """[NB] int64 decode row owning each block (padding blocks: the last row)."""
+    block_bias: torch.Tensor
+    """[NB, block_size] float32 additive score, 0 on keys inside the row's
+    length, MASKED_SCORE elsewhere."""
+    block_key_pos: torch.Tensor
+    """[NB, block_size] int64 position of each key in its request (for
+    sliding windows)."""
+    block_mapping: torch.Tensor
+    """[B, NB] float32 one-hot row of each block (padding blocks: all 0)."""
+
+
+@dataclass
+class PrefillTileInputs:
+    """The prefill rows in ``NT`` tiles of ``tq`` rows (``layout.tile_rows``);
+    CB = the bucket's ``prefill_blocks``."""
+
+    blocks: torch.Tensor
+    """[NT, CB] int64 blocks each tile reads: for each request with rows in
+    the tile, its blocks up to the tile's last row of it; PAD_BLOCK on padding."""
+    mask: torch.Tensor
+    """[NT, tq, CB * block_size] bool: row may attend key (same request, key
+    position <= row position); padding rows keep key 0 only."""
+    query_pos: torch.Tensor
+    """[NT, tq] int64 position of each prefill row; PAD_QUERY_POS on padding."""
+    key_pos: torch.Tensor
+    """[NT, CB * block_size] int64 position of each key in its request; 0 on
+    padding."""
+    span_lo: torch.Tensor | None = None
     """[NT, tq] int64, models with bidirectional image spans only (None
-    otherwise): first key column of the tile (``prefill_blocks * block_size``
-    axis) inside the row's span; 0 on rows outside any span and on padding."""
-    prefill_tile_span_hi: torch.Tensor | None = None
+    otherwise): first key column of the tile inside the row's span; 0 on rows
+    outside any span and on padding."""
+    span_hi: torch.Tensor | None = None
     """[NT, tq] int64: one past the last key column of the row's span, clipped
     to the keys computed so far (``lo == hi``: no span)."""
-    real_decodes: int | None = None
-    """Real (unpadded) decode rows, a host int; None when unknown."""
-    prefill_requests: PrefillRequests | None = None
-    """The prefill requests' lengths on the host, for attention that runs
-    outside any graph off Gaudi (one causal SDPA per request instead of the
-    tiles); None where the tiles are used."""
+
+
+@dataclass(kw_only=True)
+class StaticAttentionMetadata(HpuMMAttentionMetadata):
+    """The graph inputs of one step of the static plan: tensors of the
+    bucket's shapes, the bucket's row counts; nothing read on the host."""
+
+    decode: FlatDecodeInputs | None
+    """The decode rows' inputs; None when the bucket has no decode rows."""
+    prefill: PrefillTileInputs | None
+    """The prefill tiles; None when the bucket has no prefill rows."""
+
+
+@dataclass(kw_only=True)
+class DynamicAttentionMetadata(HpuMMAttentionMetadata):
+    """One step of the dynamic plan off Gaudi: attention runs on the host,
+    outside any graph, over the step's real rows and blocks."""
+
+    real_decodes: int
+    """R: real decode rows (token rows [R, num_decodes) are padding, their
+    attention output zero)."""
+    decode_seq_lens: torch.Tensor
+    """[R] int64 context length of each real decode row, current token included."""
+    decode_block_table: torch.Tensor
+    """[R, W] int64 block ids of the real decode rows, W their widest row's
+    blocks; PAD_BLOCK past each row's last block."""
+    prefill: PrefillRequests | PrefillTileInputs | None
+    """The prefill rows: request by request (``PrefillRequests``); tiles over
+    the padded rows for models with bidirectional image spans; None without
+    prefill rows."""
     dense: DenseDecodeStep | None = None
     """The decode rows' slots in the dense decode cache
-    (``attention.decode_cache``), set by the runner where attention runs
-    outside any graph on the CPU; None: decode reads the paged cache."""
-    real_decode_blocks: int | None = None
-    """Real ``decode_blocks`` (flat: the real list's length; batched: the
-    widest real row's blocks), a host int; None when unknown. Attention that
-    runs eagerly (an opaque op between compiled pieces, or eager mode) reads
-    only these rows and blocks instead of the bucket's; a traced graph never
-    reads them (they would be guards)."""
+    (``attention.decode_cache``), set by the runner on the CPU where the cache
+    is built; None: decode reads the paged cache."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,322 +239,49 @@ def build_prefill_requests(
     return PrefillRequests(rows, table)
 
 
-def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(n) for each n in lengths."""
-    total = int(lengths.sum())
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.arange(total, dtype=np.int64) - starts
-
-
-def count_leading_decodes(query_lens: np.ndarray) -> int:
-    """Requests at the front of the batch with exactly one query token."""
-    not_decode = np.flatnonzero(query_lens != 1)
-    return int(not_decode[0]) if not_decode.size else int(query_lens.size)
-
-
-# --------------------------------------------------------------------------
-# Prefill tiles
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _TileKeys:
-    """Keys of one tile: for each request with rows in it, (request, blocks)."""
-
-    reqs: tuple[int, ...]
-    blocks: tuple[int, ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(self.blocks)
-
-
-def _prefill_rows(
-    query_lens: np.ndarray, seq_lens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(request, position) of each real prefill row, request after request."""
-    local = np.arange(query_lens.size, dtype=np.int64)
-    req = np.repeat(local, query_lens)
-    pos = np.repeat(seq_lens - query_lens, query_lens) + _ragged_arange(query_lens)
-    return req, pos
-
-
-def _row_reach(
-    row_pos: np.ndarray, row_seq: np.ndarray, spans: np.ndarray | None
-) -> np.ndarray:
-    """[N] last position each prefill row reads: its own, or the last computed
-    position of its bidirectional span (``row_seq``: its request's length
-    after this step; a span never reaches keys not computed yet)."""
-    if spans is None:
-        return row_pos
-    end = np.minimum(spans[:, 1], row_seq)
-    return np.where(spans[:, 1] > spans[:, 0], np.maximum(row_pos, end - 1), row_pos)
-
-
-def _tile_keys(
-    row_req: np.ndarray, row_pos: np.ndarray, block_size: int, tq: int
-) -> list[_TileKeys]:
-    """Per tile of ``tq`` rows: its requests and the blocks each must show
-    (``row_pos``: the last position each row reads)."""
-    out = []
-    for start in range(0, row_req.size, tq):
-        req, pos = row_req[start : start + tq], row_pos[start : start + tq]
-        reqs, last = np.unique(req, return_index=False), []
-        for r in reqs:
-            last.append(int(pos[req == r].max()) // block_size + 1)
-        out.append(_TileKeys(tuple(int(r) for r in reqs), tuple(last)))
-    return out
-
-
-def prefill_context_blocks(
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_size: int,
-    tile: int = PREFILL_TILE,
-    spans: np.ndarray | None = None,
-) -> int:
-    """Blocks the widest tile reads (the exact ``prefill_blocks``) for prefill
-    requests with these query and context lengths (padding only adds tiles
-    with no real rows, so the real tiles are those of ``tile`` rows).
-    ``spans``: [sum(query_lens), 2] bidirectional spans of the rows, or None."""
-    if query_lens.size == 0:
-        return 0
-    row_req, row_pos = _prefill_rows(query_lens, seq_lens)
-    reach = _row_reach(row_pos, seq_lens[row_req], spans)
-    return max(t.num_blocks for t in _tile_keys(row_req, reach, block_size, tile))
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillTiles:
-    """Host arrays of the prefill tiles (see HpuMMAttentionMetadata)."""
-
-    blocks: np.ndarray  # [NT, CB] int64
-    mask: np.ndarray  # [NT, tq, CB * BS] bool
-    query_pos: np.ndarray  # [NT, tq] int64
-    key_pos: np.ndarray  # [NT, CB * BS] int64
-    span_lo: np.ndarray | None = None  # [NT, tq] int64 key column, or None
-    span_hi: np.ndarray | None = None  # [NT, tq] int64
-
-
-def prefill_tiles(
+def _tiles(
     query_lens: np.ndarray,
     seq_lens: np.ndarray,
     block_table: np.ndarray,
     block_size: int,
-    num_tokens: int,
-    num_blocks: int,
-    tile: int = PREFILL_TILE,
-    spans: np.ndarray | None = None,
-) -> PrefillTiles:
-    """The prefill tiles of requests with these lengths, padded to
-    ``num_tokens`` rows and ``num_blocks`` blocks per tile.
-
-    query_lens, seq_lens: [P] of the prefill requests; block_table: [P, >= max
-    blocks] their block ids; spans: [sum(query_lens), 2] the rows' bidirectional
-    spans (positions), or None (then ``span_lo``/``span_hi`` are None).
-    """
-    num_tiles, tq = tile_rows(num_tokens, tile)
-    keys_per_tile = num_blocks * block_size
-    blocks = np.full((num_tiles, num_blocks), PAD_BLOCK, np.int64)
-    mask = np.zeros((num_tiles, tq, keys_per_tile), bool)
-    key_pos = np.zeros((num_tiles, keys_per_tile), np.int64)
-    key_req = np.full((num_tiles, keys_per_tile), -2, np.int64)
-    query_pos = np.full(num_tiles * tq, PAD_QUERY_POS, np.int64)
-    query_req = np.full(num_tiles * tq, -1, np.int64)
-    span_lo = np.zeros(num_tiles * tq, np.int64)
-    span_hi = np.zeros(num_tiles * tq, np.int64)
-    if query_lens.size:
-        row_req, row_pos = _prefill_rows(query_lens, seq_lens)
-        query_pos[: row_req.size] = row_pos
-        query_req[: row_req.size] = row_req
-        offsets = np.arange(block_size, dtype=np.int64)
-        reach = _row_reach(row_pos, seq_lens[row_req], spans)
-        for t, tk in enumerate(_tile_keys(row_req, reach, block_size, tq)):
-            col = 0
-            for r, n in zip(tk.reqs, tk.blocks, strict=True):
-                blocks[t, col : col + n] = block_table[r, :n]
-                keys = slice(col * block_size, (col + n) * block_size)
-                key_pos[t, keys] = (
-                    np.arange(n)[:, None] * block_size + offsets
-                ).ravel()
-                key_req[t, keys] = r
-                if spans is not None:
-                    _span_columns(
-                        spans, row_req, seq_lens[r], r, t * tq, tq, keys.start,
-                        span_lo, span_hi,
-                    )  # fmt: skip
-                col += n
-    q_pos = query_pos.reshape(num_tiles, tq)
-    q_req = query_req.reshape(num_tiles, tq)
-    mask[:] = (q_req[:, :, None] == key_req[:, None, :]) & (
-        key_pos[:, None, :] <= q_pos[:, :, None]
+    shape: StepShape,
+    tile: int,
+    spans: np.ndarray | None,
+    num_dec: int,
+    t: _ToDevice,
+) -> PrefillTileInputs:
+    """The prefill tiles of the requests after the first ``num_dec``."""
+    tiles = prefill_tiles(
+        query_lens[num_dec:],
+        seq_lens[num_dec:],
+        block_table[num_dec:],
+        block_size,
+        shape.num_prefill_tokens,
+        shape.prefill_blocks,
+        tile,
+        prefill_spans(query_lens, num_dec, spans),
     )
-    if keys_per_tile:
-        mask[:, :, 0] |= q_req < 0  # a padding row reads key 0 (never NaN)
-    if spans is None:
-        return PrefillTiles(blocks, mask, q_pos, key_pos)
-    return PrefillTiles(
-        blocks,
-        mask,
-        q_pos,
-        key_pos,
-        span_lo.reshape(num_tiles, tq),
-        span_hi.reshape(num_tiles, tq),
+    return PrefillTileInputs(
+        blocks=t(tiles.blocks, "prefill_tile_blocks"),
+        mask=t(tiles.mask, "prefill_tile_mask"),
+        query_pos=t(tiles.query_pos, "prefill_tile_query_pos"),
+        key_pos=t(tiles.key_pos, "prefill_tile_key_pos"),
+        span_lo=None if tiles.span_lo is None else t(tiles.span_lo, "span_lo"),
+        span_hi=None if tiles.span_hi is None else t(tiles.span_hi, "span_hi"),
     )
 
 
-def _span_columns(
-    spans: np.ndarray,
-    row_req: np.ndarray,
-    seq_len: int,
-    req: int,
-    first_row: int,
-    tq: int,
-    first_col: int,
-    span_lo: np.ndarray,
-    span_hi: np.ndarray,
-) -> None:
-    """Write, for request ``req``'s rows in the tile of rows ``[first_row,
-    first_row + tq)``, their span as key columns of the tile: the request's keys
-    start at column ``first_col`` (key position p at column ``first_col + p``).
-    The span is clipped to the ``seq_len`` keys computed so far."""
-    rows = np.arange(first_row, min(first_row + tq, row_req.size))
-    rows = rows[row_req[rows] == req]
-    start, end = spans[rows, 0], np.minimum(spans[rows, 1], seq_len)
-    has = end > start
-    span_lo[rows] = np.where(has, first_col + start, 0)
-    span_hi[rows] = np.where(has, first_col + end, 0)
+class _ToDevice:
+    """Host arrays to device tensors: views of the reused ``buffers`` (named
+    per input), or fresh copies."""
 
+    def __init__(self, device: torch.device, buffers: DeviceBuffers | None) -> None:
+        self.device, self.buffers = device, buffers
 
-# --------------------------------------------------------------------------
-# Decode rows
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class FlatDecode:
-    """Host arrays of flat decode (see HpuMMAttentionMetadata)."""
-
-    block_list: np.ndarray  # [NB] int64
-    block_req: np.ndarray  # [NB] int64
-    block_bias: np.ndarray  # [NB, BS] float32
-    block_key_pos: np.ndarray  # [NB, BS] int64
-    block_mapping: np.ndarray  # [B, NB] float32
-
-
-def flat_decode(
-    seq_lens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    num_rows: int,
-    num_blocks: int,
-) -> FlatDecode:
-    """The decode rows' real blocks as one list padded to ``num_blocks``.
-
-    seq_lens: [R] context lengths (current token included) of the real decode
-    rows; block_table: [R, >= max blocks]; num_rows: padded decode rows.
-    """
-    per_req = -(-seq_lens // block_size)
-    n = int(per_req.sum())
-    block_list = np.full(num_blocks, PAD_BLOCK, np.int64)
-    block_req = np.full(num_blocks, max(num_rows - 1, 0), np.int64)
-    key_pos = np.zeros((num_blocks, block_size), np.int64)
-    bias = np.full((num_blocks, block_size), MASKED_SCORE, np.float32)
-    mapping = np.zeros((num_rows, num_blocks), np.float32)
-    req = np.repeat(np.arange(seq_lens.size, dtype=np.int64), per_req)
-    idx = _ragged_arange(per_req)
-    block_list[:n] = block_table[req, idx]
-    block_req[:n] = req
-    key_pos[:n] = idx[:, None] * block_size + np.arange(block_size)
-    bias[:n] = np.where(key_pos[:n] < seq_lens[req][:, None], 0.0, MASKED_SCORE)
-    mapping[req, np.arange(n)] = 1.0
-    return FlatDecode(block_list, block_req, bias, key_pos, mapping)
-
-
-def batched_decode_table(
-    seq_lens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    num_rows: int,
-    width: int,
-) -> np.ndarray:
-    """[num_rows, width] block table of the decode rows, PAD_BLOCK past ends."""
-    per_req = -(-seq_lens // block_size)
-    table = np.full((num_rows, width), PAD_BLOCK, np.int64)
-    real = int(per_req.max(initial=0))
-    r = seq_lens.size
-    table[:r, :real] = block_table[:r, :real]
-    cols = np.arange(real)[None, :]
-    table[:r, :real][cols >= per_req[:, None]] = PAD_BLOCK
-    return table
-
-
-# --------------------------------------------------------------------------
-# The step
-# --------------------------------------------------------------------------
-
-
-def exact_shape(
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_size: int,
-    decode_form: DecodeForm = "flat",
-    tile: int = PREFILL_TILE,
-    spans: np.ndarray | None = None,
-) -> StepShape:
-    """The unpadded StepShape of a batch ordered decodes first (``spans``:
-    [sum(query_lens), 2] bidirectional spans of the real tokens, or None)."""
-    num_decodes = count_leading_decodes(query_lens)
-    blocks = -(-seq_lens // block_size)
-    dec = blocks[:num_decodes]
-    return StepShape(
-        num_decodes=num_decodes,
-        decode_blocks=int(dec.sum() if decode_form == "flat" else dec.max(initial=0)),
-        num_prefill_tokens=int(query_lens[num_decodes:].sum()),
-        prefill_blocks=prefill_context_blocks(
-            query_lens[num_decodes:],
-            seq_lens[num_decodes:],
-            block_size,
-            tile,
-            _prefill_spans(query_lens, num_decodes, spans),
-        ),
-    )
-
-
-def spans_from_doc_ranges(
-    ranges: dict[int, list[tuple[int, int]]] | None,
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-) -> np.ndarray | None:
-    """[sum(query_lens), 2] per-token spans from vLLM's ``mm_req_doc_ranges``
-    (request index -> inclusive ``(start, end)`` position ranges, as vLLM's
-    GPU runner computes them for prefix-LM models); None without ranges."""
-    if ranges is None:
-        return None
-    out = np.zeros((int(query_lens.sum()), 2), np.int64)
-    first = np.cumsum(query_lens) - query_lens
-    for req, req_ranges in ranges.items():
-        start_pos = int(seq_lens[req] - query_lens[req])
-        for lo, hi in req_ranges:
-            a, b = max(lo, start_pos), min(hi + 1, int(seq_lens[req]))
-            if lo < hi + 1 and a < b:
-                rows = slice(first[req] + a - start_pos, first[req] + b - start_pos)
-                out[rows] = (lo, hi + 1)
-    return out
-
-
-def _prefill_spans(
-    query_lens: np.ndarray, num_decodes: int, spans: np.ndarray | None
-) -> np.ndarray | None:
-    """The prefill rows' part of per-token ``spans`` (decode rows come first)."""
-    if spans is None:
-        return None
-    if spans.shape != (int(query_lens.sum()), 2):
-        raise ValueError(
-            f"spans must be [{int(query_lens.sum())}, 2] (one per real token), "
-            f"got {list(spans.shape)}"
-        )
-    return spans[int(query_lens[:num_decodes].sum()) :]
+    def __call__(self, a: np.ndarray, name: str) -> torch.Tensor:
+        if self.buffers is not None:
+            return self.buffers.put(name, a)
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
 
 
 def build_metadata(
@@ -547,12 +293,12 @@ def build_metadata(
     shape: StepShape,
     device: torch.device,
     buffers: DeviceBuffers | None = None,
-    decode_form: DecodeForm = "flat",
+    kind: MetadataKind = "static",
     tile: int = PREFILL_TILE,
     spans: np.ndarray | None = None,
-    per_request_prefill: bool = False,
-) -> HpuMMAttentionMetadata:
-    """Build the step's metadata, padded to ``shape``.
+) -> StaticAttentionMetadata | DynamicAttentionMetadata:
+    """Build the step's metadata of ``kind`` (the plan's
+    ``attention_metadata``), padded to ``shape``.
 
     query_lens: [R] tokens scheduled per request, decode requests (1 token)
     first; seq_lens: [R] context length after this step's tokens;
@@ -561,137 +307,130 @@ def build_metadata(
     buffers: when given, the tensors are views of these reused device buffers.
     spans: [sum(query_lens), 2] bidirectional image spans of the real tokens
     (models with bidirectional image attention), or None.
-    per_request_prefill: also describe the prefill requests on the host
-    (``prefill_requests``, for attention outside any graph; not with spans).
+    ``shape``'s ``decode_blocks`` counts flat-list blocks for ``static`` and
+    table columns for ``dynamic`` (``layout.exact_shape``'s decode form).
     """
-    num_dec = count_leading_decodes(query_lens)
-    real = exact_shape(query_lens, seq_lens, block_size, decode_form, tile, spans)
+    real = exact_shape(query_lens, seq_lens, block_size, DECODE_FORM[kind], tile, spans)
     check_fits(real, shape)
-    n_tok = real.num_prefill_tokens
-    dec_seq = np.zeros(shape.num_decodes, np.int64)
-    dec_seq[:num_dec] = seq_lens[:num_dec]
-    rows, width = shape.num_decodes, shape.decode_blocks
-    if decode_form == "flat":
-        flat = flat_decode(seq_lens[:num_dec], block_table, block_size, rows, width)
-        table = np.zeros((rows, 0), np.int64)
-    else:
-        flat = flat_decode(seq_lens[:0], block_table, block_size, 0, 0)
-        table = batched_decode_table(
-            seq_lens[:num_dec], block_table, block_size, rows, width
-        )
-    tiles = prefill_tiles(
-        query_lens[num_dec:],
-        seq_lens[num_dec:],
-        block_table[num_dec:],
-        block_size,
-        shape.num_prefill_tokens,
-        shape.prefill_blocks,
-        tile,
-        _prefill_spans(query_lens, num_dec, spans),
-    )
+    num_dec = real.num_decodes
     # Slots: decode rows, pad, prefill rows, pad.
     slots = np.full(shape.num_tokens, PAD_SLOT, np.int64)
     slots[:num_dec] = slot_mapping[:num_dec]
-    slots[shape.num_decodes : shape.num_decodes + n_tok] = slot_mapping[num_dec:]
+    slots[shape.num_decodes : shape.num_decodes + real.num_prefill_tokens] = (
+        slot_mapping[num_dec:]
+    )
+    t = _ToDevice(device, buffers)
+    if kind == "static":
+        return build_static_metadata(
+            query_lens, seq_lens, block_table, block_size, shape, tile, spans,
+            t(slots, "slot_mapping"), t,
+        )  # fmt: skip
+    return build_dynamic_metadata(
+        query_lens, seq_lens, block_table, block_size, shape, real, tile, spans,
+        t(slots, "slot_mapping"), t, device,
+    )  # fmt: skip
 
-    def t(a: np.ndarray, name: str) -> torch.Tensor:
-        if buffers is not None:
-            return buffers.put(name, a)
-        return torch.from_numpy(a).to(device, non_blocking=True)
 
-    return HpuMMAttentionMetadata(
+def build_static_metadata(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    shape: StepShape,
+    tile: int,
+    spans: np.ndarray | None,
+    slot_mapping: torch.Tensor,
+    t: _ToDevice,
+) -> StaticAttentionMetadata:
+    """The static plan's step (see ``build_metadata``): flat decode over the
+    bucket's ``decode_blocks``, prefill tiles over its rows and blocks."""
+    num_dec = count_leading_decodes(query_lens)
+    decode = None
+    if shape.num_decodes:
+        seq = np.zeros(shape.num_decodes, np.int64)
+        seq[:num_dec] = seq_lens[:num_dec]
+        flat = flat_decode(
+            seq_lens[:num_dec],
+            block_table,
+            block_size,
+            shape.num_decodes,
+            shape.decode_blocks,
+        )
+        decode = FlatDecodeInputs(
+            seq_lens=t(seq, "decode_seq_lens"),
+            block_list=t(flat.block_list, "decode_block_list"),
+            block_req=t(flat.block_req, "decode_block_req"),
+            block_bias=t(flat.block_bias, "decode_block_bias"),
+            block_key_pos=t(flat.block_key_pos, "decode_block_key_pos"),
+            block_mapping=t(flat.block_mapping, "decode_block_mapping"),
+        )
+    prefill = None
+    if shape.num_prefill_tokens:
+        prefill = _tiles(
+            query_lens, seq_lens, block_table, block_size, shape, tile, spans,
+            num_dec, t,
+        )  # fmt: skip
+    return StaticAttentionMetadata(
         num_decodes=shape.num_decodes,
         num_prefill_tokens=shape.num_prefill_tokens,
-        num_actual_tokens=int(query_lens.sum()),
-        decode_form=decode_form,
-        slot_mapping=t(slots, "slot_mapping"),
-        decode_seq_lens=t(dec_seq, "decode_seq_lens"),
-        decode_block_list=t(flat.block_list, "decode_block_list"),
-        decode_block_req=t(flat.block_req, "decode_block_req"),
-        decode_block_bias=t(flat.block_bias, "decode_block_bias"),
-        decode_block_key_pos=t(flat.block_key_pos, "decode_block_key_pos"),
-        decode_block_mapping=t(flat.block_mapping, "decode_block_mapping"),
-        decode_block_table=t(table, "decode_block_table"),
-        prefill_tile_blocks=t(tiles.blocks, "prefill_tile_blocks"),
-        prefill_tile_mask=t(tiles.mask, "prefill_tile_mask"),
-        prefill_tile_query_pos=t(tiles.query_pos, "prefill_tile_query_pos"),
-        prefill_tile_key_pos=t(tiles.key_pos, "prefill_tile_key_pos"),
-        prefill_tile_span_lo=None
-        if tiles.span_lo is None
-        else t(tiles.span_lo, "prefill_tile_span_lo"),
-        prefill_tile_span_hi=None
-        if tiles.span_hi is None
-        else t(tiles.span_hi, "prefill_tile_span_hi"),
-        real_decodes=num_dec,
-        real_decode_blocks=real.decode_blocks,
-        prefill_requests=build_prefill_requests(
+        slot_mapping=slot_mapping,
+        decode=decode,
+        prefill=prefill,
+    )
+
+
+def build_dynamic_metadata(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    shape: StepShape,
+    real: StepShape,
+    tile: int,
+    spans: np.ndarray | None,
+    slot_mapping: torch.Tensor,
+    t: _ToDevice,
+    device: torch.device,
+) -> DynamicAttentionMetadata:
+    """The dynamic plan's step (see ``build_metadata``): the real decode rows
+    over a batched table of their real width (``real``: the step's exact
+    shape), the prefill requests one by one (tiles with ``spans``)."""
+    num_dec = real.num_decodes
+    table = batched_decode_table(
+        seq_lens[:num_dec], block_table, block_size, num_dec, real.decode_blocks
+    )
+    prefill: PrefillRequests | PrefillTileInputs | None = None
+    if real.num_prefill_tokens and spans is None:
+        prefill = build_prefill_requests(
             query_lens[num_dec:], seq_lens[num_dec:], block_table[num_dec:], device
         )
-        if per_request_prefill and n_tok and spans is None
-        else None,
+    elif shape.num_prefill_tokens:
+        prefill = _tiles(
+            query_lens, seq_lens, block_table, block_size, shape, tile, spans,
+            num_dec, t,
+        )  # fmt: skip
+    return DynamicAttentionMetadata(
+        num_decodes=shape.num_decodes,
+        num_prefill_tokens=shape.num_prefill_tokens,
+        slot_mapping=slot_mapping,
+        real_decodes=num_dec,
+        decode_seq_lens=t(np.ascontiguousarray(seq_lens[:num_dec]), "decode_seq_lens"),
+        decode_block_table=t(table, "decode_block_table"),
+        prefill=prefill,
     )
 
 
 def split_metadata(
-    md: HpuMMAttentionMetadata,
-) -> tuple[HpuMMAttentionMetadata, HpuMMAttentionMetadata]:
+    md: StaticAttentionMetadata,
+) -> tuple[StaticAttentionMetadata, StaticAttentionMetadata]:
     """A mixed step's metadata as (decode part, prefill part), each describing
-    its own token rows (decode rows, then the prefill rows from row 0)."""
+    its own token rows (decode rows, then the prefill rows from row 0); the
+    static plan's only (the dynamic plan runs a mixed step in one pass)."""
     n_dec = md.num_decodes
-
-    def empty(x: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((0, *x.shape[1:]))
-
     decode = dataclasses.replace(
-        md,
-        num_prefill_tokens=0,
-        prefill_requests=None,
-        slot_mapping=md.slot_mapping[:n_dec],
-        prefill_tile_blocks=empty(md.prefill_tile_blocks),
-        prefill_tile_mask=empty(md.prefill_tile_mask),
-        prefill_tile_query_pos=empty(md.prefill_tile_query_pos),
-        prefill_tile_key_pos=empty(md.prefill_tile_key_pos),
-        prefill_tile_span_lo=None
-        if md.prefill_tile_span_lo is None
-        else empty(md.prefill_tile_span_lo),
-        prefill_tile_span_hi=None
-        if md.prefill_tile_span_hi is None
-        else empty(md.prefill_tile_span_hi),
+        md, num_prefill_tokens=0, slot_mapping=md.slot_mapping[:n_dec], prefill=None
     )
     prefill = dataclasses.replace(
-        md,
-        num_decodes=0,
-        real_decodes=0,
-        dense=None,
-        real_decode_blocks=0,
-        slot_mapping=md.slot_mapping[n_dec:],
-        decode_seq_lens=empty(md.decode_seq_lens),
-        decode_block_list=empty(md.decode_block_list),
-        decode_block_req=empty(md.decode_block_req),
-        decode_block_bias=empty(md.decode_block_bias),
-        decode_block_key_pos=empty(md.decode_block_key_pos),
-        decode_block_mapping=md.decode_block_mapping.new_empty((0, 0)),
-        decode_block_table=empty(md.decode_block_table),
+        md, num_decodes=0, slot_mapping=md.slot_mapping[n_dec:], decode=None
     )
     return decode, prefill
-
-
-def check_fits(real: StepShape, shape: StepShape) -> None:
-    for name in StepShape.__slots__:
-        if getattr(real, name) > getattr(shape, name):
-            raise ValueError(
-                f"step needs {name}={getattr(real, name)} but its bucket "
-                f"{shape} has only {getattr(shape, name)}"
-            )
-
-
-def token_row_of_real_tokens(query_lens: np.ndarray, shape: StepShape) -> np.ndarray:
-    """[sum(query_lens)] token row of each real token in the padded layout."""
-    num_dec = count_leading_decodes(query_lens)
-    n_pre = int(query_lens[num_dec:].sum())
-    return np.concatenate(
-        [
-            np.arange(num_dec, dtype=np.int64),
-            shape.num_decodes + np.arange(n_pre, dtype=np.int64),
-        ]
-    )

@@ -23,9 +23,16 @@ Habana docs (summarised in docs/gaudi.md):
   bytes of every live tensor storage of the process (``live_tensor_bytes``,
   one pass over the garbage collector's objects, a storage counted once
   however many views hold it): weights, KV cache, buffers and whatever else
-  is alive when a statistic is read. The peak is the largest figure read
-  since the last reset: activations freed before a statistic is read are not
-  seen (the real allocator sees them).
+  is alive when a statistic is read. The peak is the bridge's as PyTorch
+  documents ``max_memory_allocated`` (``torch.cuda.max_memory_allocated``,
+  mirrored by ``torch.hpu``): "the maximum memory occupied by tensors" since
+  ``reset_peak_memory_stats``, tensors freed in between included. From a reset
+  until the peak is next read (the window a memory profile opens: reset, run
+  the step, read the peak, as vllm-gaudi ``hpu_worker.py`` and this plugin's
+  ``worker.profile.device_meter`` do), the card follows every tensor the
+  process allocates (``worker.profile.LiveTensorBytes``, a TorchDispatchMode)
+  so activations freed before the read still count; outside such a window the
+  peak is the largest figure read.
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 VISIBLE_MODULES_ENV = "HABANA_VISIBLE_MODULES"
 MEMORY_ENV = "VLLM_HPU_MM_GAUDI_SIM_MEMORY"
 DEFAULT_MEMORY = 2 * 2**30
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -69,13 +78,21 @@ def card_memory_from_env() -> int:
 def live_tensor_bytes() -> int:
     """Bytes of the live tensor storages of this process (each storage once).
 
-    Plain tensors and parameters only: a tensor subclass (Dynamo's fake
-    tensors, meta tensors) owns no memory."""
+    Tensors whose class keeps PyTorch's own dispatch: plain tensors,
+    parameters and their subclasses (vLLM's weight parameters,
+    ``ModelWeightParameter`` and friends, hold most of a model's weights).
+    A class with its own ``__torch_dispatch__`` (Dynamo's fake tensors,
+    functional tensors) and meta tensors own no memory."""
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        # type(), not isinstance(): a dead weak proxy raises on __class__, and
+        # some module objects warn when their attributes are looked up.
+        cls = type(obj)
+        if not issubclass(cls, torch.Tensor):
             continue
-        t: torch.Tensor = obj  # type: ignore[assignment]
+        if cls.__torch_dispatch__ is not _PLAIN_DISPATCH:
+            continue
+        t: torch.Tensor = obj
         if t.is_meta or t.device.type != "cpu":
             continue
         try:
@@ -155,6 +172,9 @@ class SimTorchHpu:
         self.calls: list[str] = []
         self._allocated = allocated or live_tensor_bytes
         self._peak = 0
+        # Since the last reset, until the peak is read: the bytes allocated at
+        # the reset and the mode following every allocation since.
+        self._watch: tuple[int, Any] | None = None
 
     def _touch(self, call: str) -> None:
         self.calls.append(call)
@@ -192,9 +212,19 @@ class SimTorchHpu:
         self._peak = max(self._peak, now)
         return now
 
+    def _end_watch(self) -> None:
+        """Fold the allocations followed since the reset into the peak."""
+        if self._watch is None:
+            return
+        base, mode = self._watch
+        self._watch = None
+        mode.__exit__(None, None, None)
+        self._peak = max(self._peak, base + mode.peak)
+
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes of the card."""
         self._touch("mem_get_info")
+        self._end_watch()
         return self.host.memory - self._sample(), self.host.memory
 
     def memory_allocated(self, device: object = None) -> int:
@@ -203,13 +233,21 @@ class SimTorchHpu:
 
     def max_memory_allocated(self, device: object = None) -> int:
         self._touch("max_memory_allocated")
+        self._end_watch()
         self._sample()
         return self._peak
 
     def reset_peak_memory_stats(self, device: object = None) -> None:
+        """Start the peak afresh from what is allocated now, and follow every
+        allocation until the peak is read (see the module docstring)."""
+        from vllm_hpu_mm.worker.profile import LiveTensorBytes
+
         self._touch("reset_peak_memory_stats")
+        self._end_watch()
         self._peak = 0
-        self._sample()
+        mode = LiveTensorBytes()
+        self._watch = (self._sample(), mode)
+        mode.__enter__()
 
     # ---- other device calls ---------------------------------------------------
     def synchronize(self, device: object = None) -> None:

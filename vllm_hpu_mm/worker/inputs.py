@@ -25,8 +25,10 @@ import torch
 
 from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.attention.metadata import (
-    DecodeForm,
+    DECODE_FORM,
     HpuMMAttentionMetadata,
+    MetadataKind,
+    StaticAttentionMetadata,
     StepShape,
     build_metadata,
     check_fits,
@@ -114,17 +116,15 @@ def build_step(
     block_size: int,
     device: torch.device,
     buffers: DeviceBuffers | None = None,
-    decode_form: DecodeForm = "flat",
+    kind: MetadataKind = "static",
     bidirectional_images: bool = False,
-    per_request_prefill: bool = False,
 ) -> StepBatch:
     """Gather, choose the bucket and pad.
 
     ``shape_for(exact_shape, num_reqs) -> (padded shape, padded batch)``.
     ``bidirectional_images``: the model's image tokens attend to each other
     both ways (Gemma 3); the attention metadata then carries their spans.
-    ``per_request_prefill``: the metadata also describes the prefill requests
-    on the host (attention outside any graph off Gaudi).
+    ``kind``: the plan's attention metadata (``ExecutionPlan.attention_metadata``).
     """
     token_ids, positions, slots, seq_lens, block_table = gather_step(
         states, query_lens, block_size
@@ -134,7 +134,9 @@ def build_step(
         first_token = np.cumsum(query_lens) - query_lens  # in real-token order
         chunks = request_chunks(states, query_lens, first_token)
         spans = bidirectional_spans(chunks, int(query_lens.sum()))
-    exact = exact_shape(query_lens, seq_lens, block_size, decode_form, spans=spans)
+    exact = exact_shape(
+        query_lens, seq_lens, block_size, DECODE_FORM[kind], spans=spans
+    )
     shape, batch_rows = shape_for(exact, len(req_ids))
     check_fits(exact, shape)  # before any padded array is filled
     if batch_rows < len(req_ids):
@@ -163,9 +165,8 @@ def build_step(
         shape,
         device,
         buffers,
-        decode_form,
+        kind,
         spans=spans,
-        per_request_prefill=per_request_prefill,
     )
 
     def t(a: np.ndarray, name: str) -> torch.Tensor:
@@ -201,6 +202,11 @@ def step_passes(md: HpuMMAttentionMetadata, split: bool = True) -> list[StepPass
     n_dec, n_pre = md.num_decodes, md.num_prefill_tokens
     if not (split and n_dec and n_pre):
         return [StepPass(0, n_dec + n_pre, md)]
+    if not isinstance(md, StaticAttentionMetadata):
+        raise TypeError(
+            f"a mixed step splits into two passes under the static plan only, "
+            f"got {type(md).__name__}"
+        )
     decode, prefill = split_metadata(md)
     if isinstance(md.cross, CrossAttentionMetadata):
         decode.cross, prefill.cross = split_cross(md.cross, n_dec)

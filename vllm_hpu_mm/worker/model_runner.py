@@ -42,6 +42,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from hpu_kernels.attention import KVCache
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
+from vllm_hpu_mm.attention.metadata import DynamicAttentionMetadata
 from vllm_hpu_mm.multimodal.placeholders import request_chunks
 from vllm_hpu_mm.plan import ExecutionPlan, plan_of
 from vllm_hpu_mm.platform_config import is_mm_prefix_lm
@@ -397,9 +398,8 @@ class HpuMMModelRunner:
             self.block_size,
             self.device,
             self.buffers,
-            self.shapes.decode_form,
+            self.plan.attention_metadata,
             bidirectional_images=self.bidirectional_images,
-            per_request_prefill=self.plan.per_request_prefill,
         )
         if self.lora is not None:
             self.lora.set_step(
@@ -410,8 +410,10 @@ class HpuMMModelRunner:
                 int(batch.logits_rows.shape[0]),
             )
         if self.decode_cache is not None:
-            n_dec = batch.attn_metadata.real_decodes or 0
-            batch.attn_metadata.dense = self.decode_cache.plan(
+            md = batch.attn_metadata
+            assert isinstance(md, DynamicAttentionMetadata)  # the plan's
+            n_dec = md.real_decodes
+            md.dense = self.decode_cache.plan(
                 req_ids[:n_dec],
                 batch.seq_lens[:n_dec],
                 [s.block_ids for s in states[:n_dec]],

@@ -267,7 +267,14 @@ def _prefill_metadata(runner: HpuMMModelRunner, shape: ProfileShape) -> Any:
         prefill_blocks=max(shape.prefill_blocks, real_blocks),
     )
     md = build_metadata(
-        q, seq, table, np.asarray(slots, np.int64), bs, step, runner.device
+        q,
+        seq,
+        table,
+        np.asarray(slots, np.int64),
+        bs,
+        step,
+        runner.device,
+        kind=runner.plan.attention_metadata,
     )
     return md, 1 + q.size * per_req
 

@@ -61,7 +61,7 @@ def _padding_only_step(runner: HpuMMModelRunner, shape: StepShape) -> None:
         shape,
         runner.device,
         runner.buffers,
-        runner.shapes.decode_form,
+        runner.plan.attention_metadata,
         # A bidirectional-image model's steps always carry (possibly empty) spans.
         spans=np.zeros((0, 2), np.int64) if runner.bidirectional_images else None,
     )

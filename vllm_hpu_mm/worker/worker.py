@@ -146,12 +146,17 @@ class HpuMMWorker(WorkerBase):
         logger.info(
             "Memory: %.2f GiB total, %.2f GiB in use, %.2f GiB profiled peak, "
             "%.0f%% of the rest kept for graphs (hpu_mm.memory."
-            "graph_reserve_fraction): %.2f GiB for the KV cache",
+            "graph_reserve_fraction): %.2f GiB for the KV cache (bytes: total %d, "
+            "in use %d, profiled peak %d, KV cache %d)",
             total / 2**30,
             (total - free) / 2**30,
             activation / 2**30,
             100 * fraction,
             budget / 2**30,
+            total,
+            total - free,
+            activation,
+            budget,
         )
         return budget
 

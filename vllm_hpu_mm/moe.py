@@ -51,6 +51,10 @@ class HpuMMFusedMoEMethod(UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: Any) -> None:
         super().process_weights_after_loading(layer)
         _check_supported(layer, self.moe)
+        # vLLM builds the (empty) quant config on the first forward; built here,
+        # it is not traced into a graph (on HPU Dynamo failed inside it).
+        if self.moe_quant_config is None:
+            self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         # Looked up once, here: a compiled forward reads the attribute as a
         # constant (a device query traced by Dynamo would break the graph).
         layer.habana_moe = device.habana_moe()

@@ -162,6 +162,10 @@ _MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 def _moe_runner_calls_the_layer() -> None:
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
+    REPLACED_HELPERS.setdefault(
+        "MoERunner._select_forward", moe_runner.MoERunner._select_forward
+    )
+
     def select_forward(self: Any) -> Callable[..., Any]:
         if self._shared_experts is None:
             return moe_runner._moe_forward

@@ -490,6 +490,54 @@ def kv_fp8_casts() -> tuple[QuantizeFn, DequantizeFn]:
     return quantize, dequantize
 
 
+@dataclass(frozen=True, slots=True)
+class HabanaMoe:
+    """Habana's MoE op, ``torch.ops.hpu.mixture_of_experts``, called as the
+    official Gaudi plugin calls it (vllm-gaudi ``ops/hpu_fused_moe.py`` and
+    ``extension/ops.py`` ``VllmMixtureOfExpertsOp``): the routing table as
+    int64 and the router weights in the activations' dtype, one ``[2I, H]``
+    gate+up and one ``[H, I]`` down weight per expert as lists of views of
+    vLLM's stacked ``w13_weight`` / ``w2_weight`` (``permuted_weights=True``:
+    the linear layout), ``experts_min`` / ``experts_max`` the experts this
+    rank holds. All local experts go in one call, as vllm-gaudi does unless
+    ``MAX_EXPERTS_PER_SLICE`` is set (a workaround for Gaudi software 1.20);
+    no ``chunk_size`` (vllm-gaudi passes one only when ``VLLM_MOE_CHUNK`` is
+    configured: a speed setting)."""
+
+    op: Callable[..., torch.Tensor]
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H]
+        w13: torch.Tensor,  # [E, 2I, H] gate rows then up rows
+        w2: torch.Tensor,  # [E, H, I]
+        topk_weights: torch.Tensor,  # [T, k]
+        topk_ids: torch.Tensor,  # [T, k], ids 0 .. E-1
+        activation: str = "silu",
+    ) -> torch.Tensor:  # [T, H]
+        return self.op(
+            hidden_states=x,
+            expert_routing_table=topk_ids.to(torch.int64),
+            router_weights=topk_weights.to(x.dtype),
+            w12=list(w13.unbind(0)),
+            w3=list(w2.unbind(0)),
+            permuted_weights=True,
+            activation=activation,
+            experts_min=0,
+            experts_max=w13.shape[0] - 1,
+        )
+
+
+def habana_moe() -> HabanaMoe | None:
+    """Habana's MoE op on HPU (registered by ``habana_frameworks.torch``, or by
+    the simulated stack), else None: the MoE layers then run
+    ``hpu_kernels.moe`` (pure PyTorch)."""
+    if device_kind() != "hpu":
+        return None
+    _habana()
+    return HabanaMoe(op=torch.ops.hpu.mixture_of_experts)
+
+
 # --- HF transformers as the benchmark's reference (vllm-hpu-mm bench --backend hf)
 
 

@@ -8,9 +8,12 @@ The method is "monolithic" in vLLM's terms: it takes the router logits and
 routes itself (softmax, top-k, renormalised where the model asks, as
 transformers' Qwen-MoE does: float32 softmax, weights cast to the activations'
 dtype), because vLLM's own routers for a non-CPU platform call compiled kernels
-that a build without them lacks; then it runs the routed experts through
-``hpu_kernels.moe`` (``hpu_mm::moe_experts``), whose work follows the tokens
-each expert receives.
+that a build without them lacks; then it runs the routed experts: on Gaudi
+through Habana's MoE op, ``torch.ops.hpu.mixture_of_experts``, called as the
+official Gaudi plugin calls it (``device.habana_moe``); on every other device
+through ``hpu_kernels.moe`` (``hpu_mm::moe_experts``), whose work follows the
+tokens each expert receives. Which one is decided once per layer, after
+loading, from the device (``layer.habana_moe``, None off Gaudi).
 Tensor parallelism needs nothing more: each rank holds its slice of every
 expert's intermediate dimension and vLLM's layer all-reduces the partial sums.
 
@@ -32,6 +35,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from hpu_kernels.moe import routed_experts
+from vllm_hpu_mm import device
 
 logger = logging.getLogger("vllm.hpu_mm.moe")
 
@@ -47,6 +51,13 @@ class HpuMMFusedMoEMethod(UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: Any) -> None:
         super().process_weights_after_loading(layer)
         _check_supported(layer, self.moe)
+        # vLLM builds the (empty) quant config on the first forward; built here,
+        # it is not traced into a graph (on HPU Dynamo failed inside it).
+        if self.moe_quant_config is None:
+            self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        # Looked up once, here: a compiled forward reads the attribute as a
+        # constant (a device query traced by Dynamo would break the graph).
+        layer.habana_moe = device.habana_moe()
 
     def apply_monolithic(  # type: ignore[override]
         self,
@@ -55,13 +66,25 @@ class HpuMMFusedMoEMethod(UnquantizedFusedMoEMethod):
         router_logits: torch.Tensor,  # [T, E]
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        topk_weights, topk_ids = softmax_top_k(
-            router_logits, int(layer.top_k), bool(layer.renormalize), x.dtype
-        )
-        out: torch.Tensor = routed_experts(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
-        )
-        return out
+        return experts_forward(layer, x, router_logits)
+
+
+def experts_forward(
+    layer: Any,
+    x: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E]
+) -> torch.Tensor:  # [T, H]
+    """Route each token to its top-k experts and run them: Habana's MoE op
+    where ``layer.habana_moe`` holds it (Gaudi), else ``hpu_mm::moe_experts``."""
+    topk_weights, topk_ids = softmax_top_k(
+        router_logits, int(layer.top_k), bool(layer.renormalize), x.dtype
+    )
+    habana = layer.habana_moe  # device.habana_moe(), set after loading
+    kernel = routed_experts if habana is None else habana
+    out: torch.Tensor = kernel(
+        x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
+    )
+    return out
 
 
 def softmax_top_k(

@@ -156,6 +156,24 @@ def _uncompiled_helpers() -> None:
     embedding.get_masked_input_and_mask = get_masked_input_and_mask  # type: ignore[assignment]
 
 
+_MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
+
+
+def _moe_runner_calls_the_layer() -> None:
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    REPLACED_HELPERS.setdefault(
+        "MoERunner._select_forward", moe_runner.MoERunner._select_forward
+    )
+
+    def select_forward(self: Any) -> Callable[..., Any]:
+        if self._shared_experts is None:
+            return moe_runner._moe_forward
+        return moe_runner._moe_forward_shared
+
+    moe_runner.MoERunner._select_forward = select_forward  # type: ignore[method-assign]
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="torch.accelerator no-ops on the CPU fallback",
@@ -202,6 +220,26 @@ PATCHES: tuple[Patch, ...] = (
         until="vLLM compiles these helpers with static shapes on HPU",
         applies=lambda: dev.device_kind() == "hpu" and _SAMPLER in sys.modules,
         apply=_uncompiled_helpers,
+    ),
+    Patch(
+        name="vLLM's MoE runner calls the experts directly on HPU",
+        why=(
+            "on a platform other than the CPU and TPU, vLLM's MoERunner enters "
+            "every FusedMoE layer through torch.ops.vllm.moe_forward, a custom "
+            "op with mutates_args=['hidden_states'] "
+            "(fused_moe/runner/moe_runner.py _select_forward); hpu_backend "
+            "lowers through AOTAutograd, which turns it into "
+            "auto_functionalized_v2, a higher-order op Habana's graph compiler "
+            "does not implement, so warmup of any MoE model failed. The runner "
+            "then calls the layer's forward directly, as vLLM does on the CPU "
+            "and TPU, and the experts are traced into the graph (the official "
+            "plugin replaces MoERunner.forward for the same end, vllm-gaudi "
+            "ops/hpu_fused_moe.py); applied once vLLM's MoE runner is imported "
+            "(in the worker, before the model is built)"
+        ),
+        until="vLLM lets a platform choose the direct call (as for the CPU)",
+        applies=lambda: dev.device_kind() == "hpu" and _MOE_RUNNER in sys.modules,
+        apply=_moe_runner_calls_the_layer,
     ),
 )
 

@@ -23,8 +23,9 @@ what the bridge changes in torch itself: ``torch.accelerator`` answering for
 the ``hpu`` device, its ``empty_cache`` raising "Allocator for hpu is not a
 DeviceAllocator" as the bridge of Gaudi software 1.24 does (HabanaAI/vllm-fork
 #2250; vllm-gaudi ``patches.py`` replaces it), Inductor refusing HPU tensors,
-and the ``hccl`` process-group backend, stood in by gloo; and the FP8 ops
-``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` (``fp8_ops``).
+and the ``hccl`` process-group backend, stood in by gloo; the FP8 ops
+``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` (``fp8_ops``), and the MoE
+op ``torch.ops.hpu.mixture_of_experts`` (``moe_ops``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.gaudi_sim import fp8_ops, kernels
+from vllm_hpu_mm.gaudi_sim import fp8_ops, kernels, moe_ops
 from vllm_hpu_mm.gaudi_sim.bridge import SimBridgeConfig
 from vllm_hpu_mm.gaudi_sim.card import SimHost, SimTorchHpu
 from vllm_hpu_mm.gaudi_sim.collectives import LazyCollectives
@@ -155,6 +156,7 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         compile_fx.compile_fx = inductor_refusing_hpu()
         _register_hccl_as_gloo()
         fp8_ops.register()  # torch.ops.hpu.cast_to_fp8_v2 / fp8_gemm_v2
+        moe_ops.register()  # torch.ops.hpu.mixture_of_experts
         import torch.distributed as dist
 
         for name, fn in self.collectives.wrappers().items():

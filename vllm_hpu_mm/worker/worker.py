@@ -86,6 +86,7 @@ class HpuMMWorker(WorkerBase):
         from vllm_hpu_mm.moe import register_moe_method
 
         register_moe_method()  # MoE layers on the plugin's experts kernel
+        apply_patches()  # those that wait for vLLM's MoE runner to be imported
         if self.model_config.quantization is not None:
             from vllm_hpu_mm.quant.methods import register_quantization
 

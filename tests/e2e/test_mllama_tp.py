@@ -1,6 +1,7 @@
-"""Mllama under tensor parallelism on the CPU fallback: TP=2 over gloo, through
-vLLM's multiprocessing executor and over a local Ray cluster (``ray start`` with
-two ``HPU`` slots, as in ``test_ray_tp``).
+"""Mllama under tensor parallelism on the CPU fallback: TP=2 over gloo, over a
+local Ray cluster (``ray start`` with two ``HPU`` slots, as in ``test_ray_tp``).
+Through vLLM's multiprocessing executor Mllama runs TP=2 on the simulated Gaudi
+(``test_gaudi_sim_families``, bfloat16, graph mode).
 
 The tiny Mllama has 4 query and 2 KV heads: each rank holds 2 query heads and one
 KV head of every cross-attention layer (column-parallel q/k/v, row-parallel
@@ -38,7 +39,7 @@ def model_dir() -> str:
     return tiny_mllama_dir()
 
 
-@pytest.fixture(scope="module", params=["mp", "ray"])
+@pytest.fixture(scope="module", params=["ray"])
 def llm(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Any]:
     import cloudpickle
     from vllm import LLM

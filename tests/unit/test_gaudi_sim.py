@@ -28,7 +28,7 @@ from hpu_kernels.attention import (
 from hpu_kernels.fused import fused_sdpa, fused_softmax_mode, sdpa_native
 from tests.fakes.habana import FakeHabana, cpu_only_host
 from vllm_hpu_mm import device, patches
-from vllm_hpu_mm.gaudi_sim import card, compiler, kernels, stack
+from vllm_hpu_mm.gaudi_sim import card, compiler, grammar, kernels, stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -291,6 +291,90 @@ def test_the_bridge_refuses_accelerator_empty_cache_and_the_patch_skips_it(
     torch.accelerator.empty_host_cache()
 
 
+# ---- issue 28 item 3: xgrammar's bitmask kernel on card logits ----------------------
+
+
+VOCAB = 40
+
+
+def _bitmask_step() -> tuple[Any, Any, Any, torch.Tensor]:
+    """vLLM's inputs to ``apply_grammar_bitmask``: rows ``a`` (constrained to
+    tokens 0-4 and 33) and ``b`` (free), and their logits [2, VOCAB]."""
+    import numpy as np
+
+    allowed = np.zeros((1, 2), np.int32)  # [requests, ceil(VOCAB / 32)]
+    allowed[0, 0] = 0b11111
+    allowed[0, 1] = 0b10
+    grammar_output = SimpleNamespace(
+        structured_output_request_ids=["a"], grammar_bitmask=allowed
+    )
+    scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={})
+    batch = SimpleNamespace(req_ids=["a", "b"])
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    return scheduler_output, grammar_output, batch, logits
+
+
+def _check_masked(got: torch.Tensor, before: torch.Tensor) -> None:
+    kept = [0, 1, 2, 3, 4, 33]
+    assert torch.equal(got[0, kept], before[0, kept])
+    others = [i for i in range(VOCAB) if i not in kept]
+    assert torch.isneginf(got[0, others]).all()
+    assert torch.equal(got[1], before[1])  # the free row is untouched
+
+
+@pytest.fixture
+def card_xgrammar(monkeypatch: pytest.MonkeyPatch, habana: FakeHabana) -> FakeHabana:
+    """xgrammar and Inductor as the simulated stack leaves them, with
+    ``habana`` installed as the process's simulated Gaudi."""
+    import torch._inductor.compile_fx as compile_fx
+    import xgrammar
+
+    from vllm_hpu_mm import gaudi_sim
+
+    monkeypatch.setattr(compile_fx, "compile_fx", compiler.inductor_refusing_hpu())
+    entry = grammar.on_card(xgrammar.apply_token_bitmask_inplace, habana.host_copies)
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", entry)
+    monkeypatch.setattr(gaudi_sim, "_installed", habana)
+    return habana
+
+
+def test_xgrammar_compiles_for_card_logits_and_masks_host_copies(
+    card_xgrammar: FakeHabana,
+) -> None:
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    scheduler_output, grammar_output, batch, logits = _bitmask_step()
+    before = logits.clone()
+    # Logits on the card: xgrammar's torch.compile(dynamic=True) kernel.
+    with pytest.raises(Exception, match="Device hpu not supported"):
+        apply_grammar_bitmask(scheduler_output, grammar_output, batch, logits)
+    assert torch.equal(logits, before)
+    # The device module's host copy: a new tensor, known to be on the host.
+    host = device.to_host(logits, torch.float32)
+    assert host is not logits and card_xgrammar.host_copies.holds(host)
+    assert not card_xgrammar.host_copies.holds(logits)
+    apply_grammar_bitmask(scheduler_output, grammar_output, batch, host)
+    _check_masked(host, before)
+    assert torch.equal(logits, before)  # a copy, not the card's tensor
+
+
+def test_the_runner_applies_the_bitmask_to_a_host_copy_on_hpu(
+    card_xgrammar: FakeHabana,
+) -> None:
+    from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
+
+    scheduler_output, grammar_output, batch, logits = _bitmask_step()
+    before = logits.clone()
+    runner = SimpleNamespace(input_batch=batch)
+    HpuMMModelRunner._apply_grammar_bitmask(
+        runner,  # type: ignore[arg-type]
+        scheduler_output,
+        grammar_output,
+        logits,
+    )
+    _check_masked(logits, before)  # written back into the card's logits
+
+
 # ---- FusedSDPA's softmax modes (issue 28 item 6) ------------------------------------
 
 
@@ -411,6 +495,11 @@ print("HPU", type(torch.hpu).__name__, device.compile_backend())
 torch.accelerator.empty_cache()  # patched on HPU by register()
 import torch.distributed as dist
 print("HCCL", "hccl" in dist.Backend.backend_list)
+import sys
+print("XGRAMMAR LOADED", "xgrammar" in sys.modules)
+import xgrammar
+entry = xgrammar.apply_token_bitmask_inplace
+print("XGRAMMAR WRAPPED", hasattr(entry, "__sim_wrapped__"))
 """
 
 
@@ -438,6 +527,9 @@ def test_the_environment_installs_the_simulated_gaudi(tmp_path: Path) -> None:
     assert "KIND hpu cpu True" in out
     assert "HPU SimTorchHpu hpu_backend" in out
     assert "HCCL True" in out
+    # xgrammar is wrapped when vLLM first imports it, not imported before.
+    assert "XGRAMMAR LOADED False" in out
+    assert "XGRAMMAR WRAPPED True" in out
 
 
 def test_a_real_habana_install_keeps_the_simulation_out(tmp_path: Path) -> None:
@@ -447,12 +539,15 @@ def test_a_real_habana_install_keeps_the_simulation_out(tmp_path: Path) -> None:
         "from vllm_hpu_mm import device, gaudi_sim\n"
         "try:\n    device.select_device()\nexcept device.DeviceError as e:\n"
         "    print('ERR', e)\nprint('SIM', gaudi_sim.installed())\n"
+        "import xgrammar\nentry = xgrammar.apply_token_bitmask_inplace\n"
+        "print('WRAPPED', hasattr(entry, '__sim_wrapped__'))\n"
     )
     env = {"VLLM_HPU_MM_DEVICE": "hpu", "VLLM_HPU_MM_GAUDI_SIM": "1"}
     proc = _fresh(code, env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIM None" in proc.stdout
     assert "ERR" in proc.stdout  # the (broken) real stack is used, not replaced
+    assert "WRAPPED False" in proc.stdout
 
 
 # ---- issue 28 item 10: lazy-mode collectives, synchronised weight loads ------------

@@ -23,8 +23,10 @@ what the bridge changes in torch itself: ``torch.accelerator`` answering for
 the ``hpu`` device, its ``empty_cache`` raising "Allocator for hpu is not a
 DeviceAllocator" as the bridge of Gaudi software 1.24 does (HabanaAI/vllm-fork
 #2250; vllm-gaudi ``patches.py`` replaces it), Inductor refusing HPU tensors,
-and the ``hccl`` process-group backend, stood in by gloo; and the FP8 ops
-``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` (``fp8_ops``).
+and the ``hccl`` process-group backend, stood in by gloo; the FP8 ops
+``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` (``fp8_ops``); and
+xgrammar's bitmask kernel choosing ``torch.compile`` for logits still on the
+card, told from the device module's host copies (``grammar``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.gaudi_sim import fp8_ops, kernels
+from vllm_hpu_mm.gaudi_sim import fp8_ops, grammar, kernels
 from vllm_hpu_mm.gaudi_sim.bridge import SimBridgeConfig
 from vllm_hpu_mm.gaudi_sim.card import SimHost, SimTorchHpu
 from vllm_hpu_mm.gaudi_sim.collectives import LazyCollectives
@@ -86,6 +88,8 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.backend = make_hpu_backend(self._is_lazy, LAZY_ENV)
         # lazy mode as read at import of habana_frameworks.torch (not yet: eager)
         self.collectives = LazyCollectives(lambda: bool(self.lazy))
+        # What the device module copied to the host (``grammar``).
+        self.host_copies = grammar.HostCopies()
 
     def _fill(self) -> None:
         m = self.modules
@@ -113,6 +117,13 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def _wrap(self, model: Any) -> Any:
         self.calls.append("wrap_in_hpu_graph")
         return model
+
+    def host_copy(
+        self, t: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """A device-to-host copy: a real copy, recorded as on the host (the
+        simulated card's tensors are host tensors already; ``grammar``)."""
+        return self.host_copies.copy(t, dtype)
 
     def hpu_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         compiled = self.backend(gm, example_inputs)
@@ -155,6 +166,7 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         compile_fx.compile_fx = inductor_refusing_hpu()
         _register_hccl_as_gloo()
         fp8_ops.register()  # torch.ops.hpu.cast_to_fp8_v2 / fp8_gemm_v2
+        grammar.install(self.host_copies)  # xgrammar's kernel choice on HPU logits
         import torch.distributed as dist
 
         for name, fn in self.collectives.wrappers().items():

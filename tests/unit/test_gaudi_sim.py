@@ -25,6 +25,16 @@ from hpu_kernels.attention import (
     write_kv,
     write_kv_plain,
 )
+from hpu_kernels.cross_attention import (
+    CrossCache,
+    CrossRequest,
+    cross_attention_decode,
+    cross_attention_prefill,
+    cross_attention_requests,
+    cross_cache_of_stacked,
+    new_cross_cache,
+    write_cross_kv,
+)
 from hpu_kernels.fused import fused_sdpa, fused_softmax_mode, sdpa_native
 from tests.fakes.habana import FakeHabana, cpu_only_host
 from vllm_hpu_mm import device, patches
@@ -153,6 +163,90 @@ def test_the_attention_backend_writes_plainly_on_hpu(habana: FakeHabana) -> None
     cache = _cache()
     _hpu_compile(lambda c, k, v, s: impl.write_kv(c, k, v, s))(cache, key, value, slots)
     assert cache.key.abs().sum() > 0 and cache.value.abs().sum() > 0
+
+
+# ---- issue 28 item 4 for Mllama: the cross-attention cache --------------------------
+
+X_TILES, X_PATCHES, X_PADDED, X_HKV, X_D = 2, 3, 4, 2, 8
+X_ROWS = X_TILES * X_PADDED
+CPU = torch.device("cpu")
+
+
+def _cross_step(
+    cache: CrossCache,
+    slots: torch.Tensor,  # [N]
+    key: torch.Tensor,  # [N, rows, Hkv, D]
+    value: torch.Tensor,
+    query: torch.Tensor,  # [T, H, D]
+    key_rows: torch.Tensor,  # [K] rows of the flattened cache
+) -> tuple[torch.Tensor, ...]:
+    """What Mllama's graphs do to the cache: store the encoder's K/V
+    (``write_cross_kv``), then read it in each layout (decode, flat prefill,
+    per request)."""
+    write_cross_kv(cache, slots, key, value)
+    t = query.shape[0]
+    dec = cross_attention_decode(
+        query,
+        cache,
+        slots.view(1, -1).expand(t, -1),
+        torch.ones(t, slots.shape[0], X_TILES, dtype=torch.bool),
+        0.5,
+        X_PATCHES,
+    )
+    pre = cross_attention_prefill(
+        query,
+        cache,
+        slots,
+        torch.ones(t, slots.shape[0], X_TILES, dtype=torch.bool),
+        0.5,
+        X_PATCHES,
+    )
+    per_request = cross_attention_requests(
+        query, cache, [CrossRequest(0, t, key_rows, None)], 0.5
+    )
+    return dec, pre, per_request
+
+
+def _cross_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(2, 2, X_ROWS, X_HKV, X_D, generator=g)
+    query = torch.randn(3, 4, X_D, generator=g)
+    return torch.tensor([2, 1]), key, value, query, torch.tensor([8, 9, 12, 13])
+
+
+def test_mllamas_cross_cache_is_written_and_read_without_whole_copies(
+    habana: FakeHabana, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cross-attention cache as the runner allocates it
+    (``new_cross_cache``: K and V apart) is written in place by the encoder's
+    K/V store and read by every kernel layout inside an ``hpu_backend`` graph
+    with no whole copy of it; as two halves of one ``[2, ...]`` tensor (the
+    layout before) the same graph copies it whole."""
+    inputs = _cross_inputs()
+    want = _cross_step(
+        new_cross_cache(3, X_ROWS, X_HKV, X_D, torch.float32, CPU), *inputs
+    )
+    cache = new_cross_cache(3, X_ROWS, X_HKV, X_D, torch.float32, CPU)
+    ptrs = [t.data_ptr() for t in cache]
+    before = compiler.InputCopies.count
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        got = _hpu_compile(_cross_step, dynamic=False)(cache, *inputs)
+    assert compiler.InputCopies.count == before, compiler.InputCopies.names[before:]
+    assert compiler.INPUT_COPY_LOG not in caplog.text
+    assert [t.data_ptr() for t in cache] == ptrs
+    slots, key, value = inputs[:3]
+    assert torch.equal(cache.key[slots], key) and torch.equal(cache.value[slots], value)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    # The layout before: K and V views of one [2, slots, rows, Hkv, D] tensor.
+    torch._dynamo.reset()
+    stacked = torch.zeros(2, 3, X_ROWS, X_HKV, X_D)
+    before = compiler.InputCopies.count
+    _hpu_compile(
+        lambda c, *rest: _cross_step(cross_cache_of_stacked(c), *rest), dynamic=False
+    )(stacked, *inputs)
+    assert compiler.InputCopies.count > before
+    assert torch.equal(stacked[0][slots], key)
 
 
 def test_symbolic_sizes_are_refused(habana: FakeHabana) -> None:

@@ -5,7 +5,9 @@ The vocab-parallel embedding calls vLLM's ``get_masked_input_and_mask``
 (compiled with ``dynamic=True`` for ``simple_compile_backend``, refused by
 ``hpu_backend``) and the request asks for logprobs and prompt logprobs (the
 sampler's compiled rank helper); both run eagerly on HPU
-(``vllm_hpu_mm.patches``). Eager mode keeps the module short; greedy tokens
+(``vllm_hpu_mm.patches``). A second request in the same batch is constrained
+to a choice (structured outputs: xgrammar's bitmask on a host copy of the
+logits, ``gaudi_sim.grammar``). Eager mode keeps the module short; greedy tokens
 are compared with HF transformers in bfloat16 up to the first near-tie.
 """
 
@@ -28,18 +30,25 @@ MAX_NEW = 6
 _SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
+CHOICES = ["yes", "no", "maybe"]
 
 def main():
     llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, max_num_seqs=4,
               tensor_parallel_size=2, enforce_eager=True, seed=0)
     params = SamplingParams(max_tokens=int(sys.argv[3]), temperature=0,
                             ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}], params,
-                       use_tqdm=False)[0]
+    choice = SamplingParams(max_tokens=8, temperature=0,
+                            structured_outputs=StructuredOutputsParams(
+                                choice=CHOICES))
+    prompt = {"prompt_token_ids": json.loads(sys.argv[2])}
+    out, constrained = llm.generate([prompt, prompt], [params, choice],
+                                    use_tqdm=False)
     print("RESULT " + json.dumps({
         "tokens": list(out.outputs[0].token_ids),
         "logprobs": len(out.outputs[0].logprobs),
         "prompt_logprobs": len(out.prompt_logprobs),
+        "choice": constrained.outputs[0].text,
     }))
 
 if __name__ == "__main__":
@@ -65,5 +74,7 @@ def test_tp2_on_the_simulated_gaudi_matches_hf(
     )
     assert result["logprobs"] == MAX_NEW
     assert result["prompt_logprobs"] == len(PROMPT)
+    # Issue 28 item 3 with TP=2: each worker masks a host copy of its logits.
+    assert result["choice"] in ("yes", "no", "maybe"), result["choice"]
     want, logits = hf_greedy_steps(tiny_llama_dir, PROMPT, MAX_NEW, torch.bfloat16)
     compare_greedy_bf16(result["tokens"], want, logits)  # asserts

@@ -1,8 +1,9 @@
 """Cross-attention of text tokens over cached image rows, in pure PyTorch.
 
-Cross-attention cache of one layer: ``cache[2, num_slots, rows, num_kv_heads,
-head]`` (0 keys, 1 values). A slot holds one image: ``rows = tiles * patches``
-vision rows, tile-major. Slot 0 is a null slot that padding entries point at.
+Cross-attention cache of one layer: a ``CrossCache``, a key and a value tensor
+of ``[num_slots, rows, num_kv_heads, head]`` each. A slot holds one image:
+``rows = tiles * padded`` vision rows, tile-major. Slot 0 is a null slot that
+padding entries point at. Written by ``write_cross_kv``.
 
 Which rows a token reads is given at tile granularity (``[..., images, tiles]``
 booleans) and widened to rows here (``patches`` rows per tile). Masked scores get
@@ -28,6 +29,68 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class CrossCache(NamedTuple):
+    """One cross-attention layer's image cache.
+
+    key, value: [num_slots, rows, Hkv, D] each, slot ``s`` at index ``s``. Two
+    separate tensors, as the self-attention ``KVCache``
+    (docs/kv-cache-layout.md): inside a graph compiled by Habana's
+    ``hpu_backend`` each is a graph input of its own that ``write_cross_kv``
+    writes with a plain ``index_copy_``, which its compile passes reinplace.
+    Written through K and V views of one ``[2, ...]`` tensor, AOTAutograd
+    rebuilds the whole base and copies it back on every write.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[2])
+
+    @property
+    def rows(self) -> int:
+        return int(self.key.shape[1])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+
+def new_cross_cache(
+    num_slots: int,
+    rows: int,
+    num_kv_heads: int,
+    head: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> CrossCache:
+    """A zeroed cache, K and V allocated separately (not views of one tensor)."""
+    shape = (num_slots, rows, num_kv_heads, head)
+    return CrossCache(
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.zeros(shape, dtype=dtype, device=device),
+    )
+
+
+def cross_cache_of_stacked(stacked: torch.Tensor) -> CrossCache:
+    """A ``CrossCache`` over the halves of one ``[2, S, rows, Hkv, D]`` tensor
+    (views). For eager callers and tests only: in an ``hpu_backend`` graph a
+    write through these views costs a whole copy of ``stacked``."""
+    return CrossCache(stacked[0], stacked[1])
+
+
+def write_cross_kv(
+    cache: CrossCache,
+    slots: torch.Tensor,  # [N] int64
+    key: torch.Tensor,  # [N, rows, Hkv, D]
+    value: torch.Tensor,  # [N, rows, Hkv, D]
+) -> None:
+    """Store N images' K/V in ``slots``: a plain ``index_copy_`` into each
+    tensor (reinplaced by Habana's passes when traced, ``CrossCache``)."""
+    cache.key.index_copy_(0, slots, key.to(cache.key.dtype))
+    cache.value.index_copy_(0, slots, value.to(cache.value.dtype))
 
 
 def _attend(
@@ -61,20 +124,18 @@ def _rows(tile_mask: torch.Tensor, padded: int, patches: int | None) -> torch.Te
 
 def cross_attention_decode(
     query: torch.Tensor,  # [B, H, D]
-    cache: torch.Tensor,  # [2, S, rows, Hkv, D]
+    cache: CrossCache,  # K, V [S, rows, Hkv, D]
     slots: torch.Tensor,  # [B, M] int64
     tile_mask: torch.Tensor,  # [B, M, tiles] bool
     scale: float,
     patches: int | None = None,  # real rows of a tile; None: all
 ) -> torch.Tensor:
     b, h, d = query.shape
-    hkv = cache.shape[3]
+    hkv, rows = cache.num_kv_heads, cache.rows
     m = slots.shape[1]
-    padded = cache.shape[2] // tile_mask.shape[-1]
-    key = cache[0].index_select(0, slots.flatten()).view(b, m * cache.shape[2], hkv, d)
-    value = (
-        cache[1].index_select(0, slots.flatten()).view(b, m * cache.shape[2], hkv, d)
-    )
+    padded = rows // tile_mask.shape[-1]
+    key = cache.key.index_select(0, slots.flatten()).view(b, m * rows, hkv, d)
+    value = cache.value.index_select(0, slots.flatten()).view(b, m * rows, hkv, d)
     q = query.view(b, hkv, h // hkv, d)
     out = _attend(q, key, value, _rows(tile_mask, padded, patches), scale)
     return out.reshape(b, h, d)
@@ -82,18 +143,18 @@ def cross_attention_decode(
 
 def cross_attention_prefill(
     query: torch.Tensor,  # [T, H, D]
-    cache: torch.Tensor,  # [2, S, rows, Hkv, D]
+    cache: CrossCache,  # K, V [S, rows, Hkv, D]
     slots: torch.Tensor,  # [N] int64
     tile_mask: torch.Tensor,  # [T, N, tiles] bool
     scale: float,
     patches: int | None = None,  # real rows of a tile; None: all
 ) -> torch.Tensor:
     t, h, d = query.shape
-    hkv = cache.shape[3]
+    hkv, rows = cache.num_kv_heads, cache.rows
     n = slots.shape[0]
-    padded = cache.shape[2] // tile_mask.shape[-1]
-    key = cache[0].index_select(0, slots).view(1, n * cache.shape[2], hkv, d)
-    value = cache[1].index_select(0, slots).view(1, n * cache.shape[2], hkv, d)
+    padded = rows // tile_mask.shape[-1]
+    key = cache.key.index_select(0, slots).view(1, n * rows, hkv, d)
+    value = cache.value.index_select(0, slots).view(1, n * rows, hkv, d)
     q = query.view(t, hkv, h // hkv, d)
     out = _attend(q, key, value, _rows(tile_mask, padded, patches), scale)
     return out.reshape(t, h, d)
@@ -110,7 +171,7 @@ class CrossRequest(NamedTuple):
 
 def cross_attention_requests(
     query: torch.Tensor,  # [T, H, D]
-    cache: torch.Tensor,  # [2, S, rows, Hkv, D]
+    cache: CrossCache,  # K, V [S, rows, Hkv, D]
     requests: Sequence[CrossRequest],
     scale: float,
 ) -> torch.Tensor:
@@ -119,9 +180,9 @@ def cross_attention_requests(
     ``[S * rows, Hkv, D]``), through SDPA, which accumulates the scores in
     float32. Rows of no request (padding) get zeros. Returns [T, H, D]."""
     t, h, d = query.shape
-    hkv = cache.shape[3]
-    keys = cache[0].reshape(-1, hkv, d)
-    values = cache[1].reshape(-1, hkv, d)
+    hkv = cache.num_kv_heads
+    keys = cache.key.view(-1, hkv, d)  # [S * rows, Hkv, D], a view
+    values = cache.value.view(-1, hkv, d)
     out = query.new_zeros(t, h, d)
     for r in requests:
         q = query[r.start : r.start + r.length].transpose(0, 1)[None]  # [1, H, q, D]

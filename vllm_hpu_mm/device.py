@@ -282,6 +282,24 @@ def host_copy_event() -> Any | None:
     return event
 
 
+def to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` in host memory, cast to ``dtype`` if given: a new host tensor on
+    HPU and CUDA; on the CPU ``t`` itself unless a cast makes a new one.
+
+    On the simulated Gaudi the card's tensors are host tensors, so ``.cpu()``
+    would hand back the card tensor itself and nothing could tell it from a
+    host copy; the simulated stack makes a real copy and records it as on the
+    host (``gaudi_sim.grammar.HostCopies``, weakly held), so what chooses its
+    path by the tensor's device (xgrammar's bitmask kernel) sees what it
+    would see on Gaudi."""
+    from vllm_hpu_mm import gaudi_sim
+
+    sim = gaudi_sim.installed()
+    if sim is not None:
+        return sim.host_copy(t, dtype)
+    return t.to("cpu", dtype=dtype or t.dtype)
+
+
 def mark_step() -> None:
     """End an HPU lazy-mode graph segment; a no-op elsewhere."""
     if device_kind() == "hpu":

@@ -4,11 +4,12 @@ transformers in bfloat16 (issue 27 item 3).
 ``tests/gaudi_sim_families.py`` runs Mistral, LLaVA, Idefics3, Qwen2.5-VL,
 Qwen3-VL, Gemma 3 and Mllama (and Mllama at TP=2) one after another in one
 fresh interpreter with the simulated Habana stack (Llama:
-``test_gaudi_sim_serve.py``): Gaudi's path with its fused ops, block size 128 and graphs compiled by the simulated
-``hpu_backend``. Each family's batch mixes image prompts cut by the step
-budget, a text prompt, a request with ``logprobs`` and ``prompt_logprobs``
-and a structured-output request; its first prompt runs again as a prefix
-hit. Greedy tokens are compared with HF in bfloat16 up to the first near-tie
+``test_gaudi_sim_serve.py``): Gaudi's path with its fused ops, block size
+128 and graphs compiled by the simulated ``hpu_backend``. Each family's batch
+mixes image prompts cut by the step budget, a text prompt, a request with
+``logprobs`` and ``prompt_logprobs`` and a structured-output request; its
+first prompt runs again as a prefix hit. Greedy tokens are compared with HF
+in bfloat16 up to the first near-tie
 (``tests.hf_reference.compare_greedy_bf16``: the module prints how many cases
 needed the tolerance); nothing may compile while serving.
 """

@@ -115,7 +115,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "heads": sorted({c.num_heads for c in cross}),
         "kv_heads": sorted({c.num_kv_heads for c in cross}),
         "k_proj_rows": sorted({c.k_proj.weight.shape[0] for c in cross}),
-        "cache_shapes": sorted({tuple(c.cache.shape) for c in cross}),
+        "cache_shapes": sorted({tuple(t.shape) for c in cross for t in c.cache}),
         "vision_params": sum(p.numel() for p in model.vision.parameters()),
     }
 
@@ -133,8 +133,8 @@ def test_workers_hold_one_kv_head_each(llm: Any, model_dir: str) -> None:
         assert f["heads"] == [text.num_attention_heads // TP]
         assert f["kv_heads"] == [text.num_key_value_heads // TP]
         assert f["k_proj_rows"] == [text.num_key_value_heads // TP * head_dim]
-        (shape,) = f["cache_shapes"]  # [2, slots, rows, kv heads, head]
+        (shape,) = f["cache_shapes"]  # K and V alike: [slots, rows, kv heads, head]
         padded = -(-((vision.image_size // vision.patch_size) ** 2 + 1) // 8) * 8
-        assert shape[2:] == (vision.max_num_tiles * padded, 1, head_dim)
+        assert shape[1:] == (vision.max_num_tiles * padded, 1, head_dim)
     # The vision encoder is replicated: whole on every rank.
     assert len({f["vision_params"] for f in facts}) == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpu_kernels.cross_attention import cross_attention_decode, cross_attention_prefill
+from tests.stacked_cross import cross_attention_decode, cross_attention_prefill
 
 TILES, PATCHES, D = 4, 3, 8
 ROWS = TILES * PATCHES

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpu_kernels.cross_attention import (
+from tests.stacked_cross import (
     cross_attention_prefill,
     cross_attention_requests,
 )

@@ -25,10 +25,20 @@ from hpu_kernels.attention import (
     write_kv,
     write_kv_plain,
 )
+from hpu_kernels.cross_attention import (
+    CrossCache,
+    CrossRequest,
+    cross_attention_decode,
+    cross_attention_prefill,
+    cross_attention_requests,
+    cross_cache_of_stacked,
+    new_cross_cache,
+    write_cross_kv,
+)
 from hpu_kernels.fused import fused_sdpa, fused_softmax_mode, sdpa_native
 from tests.fakes.habana import FakeHabana, cpu_only_host
 from vllm_hpu_mm import device, patches
-from vllm_hpu_mm.gaudi_sim import card, compiler, kernels, stack
+from vllm_hpu_mm.gaudi_sim import card, compiler, grammar, kernels, stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,6 +163,90 @@ def test_the_attention_backend_writes_plainly_on_hpu(habana: FakeHabana) -> None
     cache = _cache()
     _hpu_compile(lambda c, k, v, s: impl.write_kv(c, k, v, s))(cache, key, value, slots)
     assert cache.key.abs().sum() > 0 and cache.value.abs().sum() > 0
+
+
+# ---- issue 28 item 4 for Mllama: the cross-attention cache --------------------------
+
+X_TILES, X_PATCHES, X_PADDED, X_HKV, X_D = 2, 3, 4, 2, 8
+X_ROWS = X_TILES * X_PADDED
+CPU = torch.device("cpu")
+
+
+def _cross_step(
+    cache: CrossCache,
+    slots: torch.Tensor,  # [N]
+    key: torch.Tensor,  # [N, rows, Hkv, D]
+    value: torch.Tensor,
+    query: torch.Tensor,  # [T, H, D]
+    key_rows: torch.Tensor,  # [K] rows of the flattened cache
+) -> tuple[torch.Tensor, ...]:
+    """What Mllama's graphs do to the cache: store the encoder's K/V
+    (``write_cross_kv``), then read it in each layout (decode, flat prefill,
+    per request)."""
+    write_cross_kv(cache, slots, key, value)
+    t = query.shape[0]
+    dec = cross_attention_decode(
+        query,
+        cache,
+        slots.view(1, -1).expand(t, -1),
+        torch.ones(t, slots.shape[0], X_TILES, dtype=torch.bool),
+        0.5,
+        X_PATCHES,
+    )
+    pre = cross_attention_prefill(
+        query,
+        cache,
+        slots,
+        torch.ones(t, slots.shape[0], X_TILES, dtype=torch.bool),
+        0.5,
+        X_PATCHES,
+    )
+    per_request = cross_attention_requests(
+        query, cache, [CrossRequest(0, t, key_rows, None)], 0.5
+    )
+    return dec, pre, per_request
+
+
+def _cross_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(2, 2, X_ROWS, X_HKV, X_D, generator=g)
+    query = torch.randn(3, 4, X_D, generator=g)
+    return torch.tensor([2, 1]), key, value, query, torch.tensor([8, 9, 12, 13])
+
+
+def test_mllamas_cross_cache_is_written_and_read_without_whole_copies(
+    habana: FakeHabana, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cross-attention cache as the runner allocates it
+    (``new_cross_cache``: K and V apart) is written in place by the encoder's
+    K/V store and read by every kernel layout inside an ``hpu_backend`` graph
+    with no whole copy of it; as two halves of one ``[2, ...]`` tensor (the
+    layout before) the same graph copies it whole."""
+    inputs = _cross_inputs()
+    want = _cross_step(
+        new_cross_cache(3, X_ROWS, X_HKV, X_D, torch.float32, CPU), *inputs
+    )
+    cache = new_cross_cache(3, X_ROWS, X_HKV, X_D, torch.float32, CPU)
+    ptrs = [t.data_ptr() for t in cache]
+    before = compiler.InputCopies.count
+    with caplog.at_level("WARNING", logger="vllm.hpu_mm.gaudi_sim"):
+        got = _hpu_compile(_cross_step, dynamic=False)(cache, *inputs)
+    assert compiler.InputCopies.count == before, compiler.InputCopies.names[before:]
+    assert compiler.INPUT_COPY_LOG not in caplog.text
+    assert [t.data_ptr() for t in cache] == ptrs
+    slots, key, value = inputs[:3]
+    assert torch.equal(cache.key[slots], key) and torch.equal(cache.value[slots], value)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    # The layout before: K and V views of one [2, slots, rows, Hkv, D] tensor.
+    torch._dynamo.reset()
+    stacked = torch.zeros(2, 3, X_ROWS, X_HKV, X_D)
+    before = compiler.InputCopies.count
+    _hpu_compile(
+        lambda c, *rest: _cross_step(cross_cache_of_stacked(c), *rest), dynamic=False
+    )(stacked, *inputs)
+    assert compiler.InputCopies.count > before
+    assert torch.equal(stacked[0][slots], key)
 
 
 def test_symbolic_sizes_are_refused(habana: FakeHabana) -> None:
@@ -304,6 +398,90 @@ def test_the_bridge_refuses_accelerator_empty_cache_and_the_patch_skips_it(
     patches.apply_patches()
     torch.accelerator.empty_cache()
     torch.accelerator.empty_host_cache()
+
+
+# ---- issue 28 item 3: xgrammar's bitmask kernel on card logits ----------------------
+
+
+VOCAB = 40
+
+
+def _bitmask_step() -> tuple[Any, Any, Any, torch.Tensor]:
+    """vLLM's inputs to ``apply_grammar_bitmask``: rows ``a`` (constrained to
+    tokens 0-4 and 33) and ``b`` (free), and their logits [2, VOCAB]."""
+    import numpy as np
+
+    allowed = np.zeros((1, 2), np.int32)  # [requests, ceil(VOCAB / 32)]
+    allowed[0, 0] = 0b11111
+    allowed[0, 1] = 0b10
+    grammar_output = SimpleNamespace(
+        structured_output_request_ids=["a"], grammar_bitmask=allowed
+    )
+    scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={})
+    batch = SimpleNamespace(req_ids=["a", "b"])
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    return scheduler_output, grammar_output, batch, logits
+
+
+def _check_masked(got: torch.Tensor, before: torch.Tensor) -> None:
+    kept = [0, 1, 2, 3, 4, 33]
+    assert torch.equal(got[0, kept], before[0, kept])
+    others = [i for i in range(VOCAB) if i not in kept]
+    assert torch.isneginf(got[0, others]).all()
+    assert torch.equal(got[1], before[1])  # the free row is untouched
+
+
+@pytest.fixture
+def card_xgrammar(monkeypatch: pytest.MonkeyPatch, habana: FakeHabana) -> FakeHabana:
+    """xgrammar and Inductor as the simulated stack leaves them, with
+    ``habana`` installed as the process's simulated Gaudi."""
+    import torch._inductor.compile_fx as compile_fx
+    import xgrammar
+
+    from vllm_hpu_mm import gaudi_sim
+
+    monkeypatch.setattr(compile_fx, "compile_fx", compiler.inductor_refusing_hpu())
+    entry = grammar.on_card(xgrammar.apply_token_bitmask_inplace, habana.host_copies)
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", entry)
+    monkeypatch.setattr(gaudi_sim, "_installed", habana)
+    return habana
+
+
+def test_xgrammar_compiles_for_card_logits_and_masks_host_copies(
+    card_xgrammar: FakeHabana,
+) -> None:
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    scheduler_output, grammar_output, batch, logits = _bitmask_step()
+    before = logits.clone()
+    # Logits on the card: xgrammar's torch.compile(dynamic=True) kernel.
+    with pytest.raises(Exception, match="Device hpu not supported"):
+        apply_grammar_bitmask(scheduler_output, grammar_output, batch, logits)
+    assert torch.equal(logits, before)
+    # The device module's host copy: a new tensor, known to be on the host.
+    host = device.to_host(logits, torch.float32)
+    assert host is not logits and card_xgrammar.host_copies.holds(host)
+    assert not card_xgrammar.host_copies.holds(logits)
+    apply_grammar_bitmask(scheduler_output, grammar_output, batch, host)
+    _check_masked(host, before)
+    assert torch.equal(logits, before)  # a copy, not the card's tensor
+
+
+def test_the_runner_applies_the_bitmask_to_a_host_copy_on_hpu(
+    card_xgrammar: FakeHabana,
+) -> None:
+    from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
+
+    scheduler_output, grammar_output, batch, logits = _bitmask_step()
+    before = logits.clone()
+    runner = SimpleNamespace(input_batch=batch)
+    HpuMMModelRunner._apply_grammar_bitmask(
+        runner,  # type: ignore[arg-type]
+        scheduler_output,
+        grammar_output,
+        logits,
+    )
+    _check_masked(logits, before)  # written back into the card's logits
 
 
 # ---- FusedSDPA's softmax modes (issue 28 item 6) ------------------------------------
@@ -492,6 +670,11 @@ print("HPU", type(torch.hpu).__name__, device.compile_backend())
 torch.accelerator.empty_cache()  # patched on HPU by register()
 import torch.distributed as dist
 print("HCCL", "hccl" in dist.Backend.backend_list)
+import sys
+print("XGRAMMAR LOADED", "xgrammar" in sys.modules)
+import xgrammar
+entry = xgrammar.apply_token_bitmask_inplace
+print("XGRAMMAR WRAPPED", hasattr(entry, "__sim_wrapped__"))
 """
 
 
@@ -520,6 +703,9 @@ def test_the_environment_installs_the_simulated_gaudi(tmp_path: Path) -> None:
     assert "KIND hpu cpu True" in out
     assert "HPU SimTorchHpu hpu_backend" in out
     assert "HCCL True" in out
+    # xgrammar is wrapped when vLLM first imports it, not imported before.
+    assert "XGRAMMAR LOADED False" in out
+    assert "XGRAMMAR WRAPPED True" in out
 
 
 def test_a_real_habana_install_keeps_the_simulation_out(tmp_path: Path) -> None:
@@ -529,12 +715,15 @@ def test_a_real_habana_install_keeps_the_simulation_out(tmp_path: Path) -> None:
         "from vllm_hpu_mm import device, gaudi_sim\n"
         "try:\n    device.select_device()\nexcept device.DeviceError as e:\n"
         "    print('ERR', e)\nprint('SIM', gaudi_sim.installed())\n"
+        "import xgrammar\nentry = xgrammar.apply_token_bitmask_inplace\n"
+        "print('WRAPPED', hasattr(entry, '__sim_wrapped__'))\n"
     )
     env = {"VLLM_HPU_MM_DEVICE": "hpu", "VLLM_HPU_MM_GAUDI_SIM": "1"}
     proc = _fresh(code, env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIM None" in proc.stdout
     assert "ERR" in proc.stdout  # the (broken) real stack is used, not replaced
+    assert "WRAPPED False" in proc.stdout
 
 
 # ---- issue 28 item 10: lazy-mode collectives, synchronised weight loads ------------

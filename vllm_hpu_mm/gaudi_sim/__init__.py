@@ -13,12 +13,15 @@ Gaudi would show (each cited in its module): ``stack`` (modules, lazy mode,
 process taken on first touch, memory statistics), ``compiler``
 (``hpu_backend`` through AOTAutograd, refusing what Habana's graph compiler
 refuses, counting compilations; Inductor refusing HPU tensors) and
-``kernels`` (FusedSDPA with its softmax modes, FusedRMSNorm, fused RoPE).
+``kernels`` (FusedSDPA with its softmax modes, FusedRMSNorm, fused RoPE) and
+``grammar`` (xgrammar's bitmask kernel as chosen for logits on the card; the
+device module's host copies are real copies it records).
 
 What it cannot show: the simulated HPU tensors are host tensors (the torch
-device the worker computes on is ``cpu``), so nothing that dispatches on the
-tensor's device type (xgrammar's kernel choice, device-to-host copies) is
-exercised; speed, the graph compiler's own limits and numerics other than the
+device the worker computes on is ``cpu``), so what dispatches on the tensor's
+device type is exercised only where modelled (xgrammar's kernel choice, the
+device module's host copies); pinned memory and asynchronous copies are not;
+speed, the graph compiler's own limits and numerics other than the
 fused kernels' are not Gaudi's.
 """
 

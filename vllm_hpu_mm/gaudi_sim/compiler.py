@@ -14,14 +14,17 @@ docs/gaudi.md):
   ``PT_HPU_KEEP_INPUT_MUTATIONS``, default 1 in its ``compile_backend/
   config.py``): a write to an input ends the graph as ``copy_(input, new)``.
 - Its passes turn ``index_copy(input, ...)`` followed by ``copy_(input, that)``
-  back into an in-place ``index_copy_`` on the input (the official plugin's KV
-  write relies on it: vllm-gaudi ``VLLMKVCache``). Any other ``copy_`` into
-  an input (a write through a view rebuilds the whole base with
-  ``select_scatter`` and copies it back), a write AOTAutograd leaves to its
-  runtime epilogue, or a ``clone`` of an input costs a copy of the whole
-  input on every call: ``reinplace_input_writes`` does the first, the others
-  are counted (``InputCopies``) and logged (``INPUT_COPY_LOG``), so a test can
-  require zero whole-cache copies.
+  back into an in-place ``index_copy_`` on the input, an input that is not a
+  view into a larger storage (the official plugin's KV write relies on it:
+  vllm-gaudi ``VLLMKVCache``, one K and one V tensor allocated per layer;
+  ``view_inputs`` finds the others). Any other ``copy_`` into an input (a
+  write through a view taken in the graph rebuilds the whole base with
+  ``select_scatter`` and copies it back; a write into a view input), a
+  write AOTAutograd leaves to its runtime epilogue, or a ``clone`` of an
+  input costs a copy of the whole input on every call:
+  ``reinplace_input_writes`` does the first, the others are counted
+  (``InputCopies``) and logged (``INPUT_COPY_LOG``), so a test can require
+  zero whole-cache copies.
 - The compile passes implement only the ``cond`` and ``while_loop``
   higher-order ops and reinplace only plain ``index_copy`` on non-view
   inputs: any other higher-order op is refused here
@@ -130,11 +133,32 @@ _COPY = torch.ops.aten.copy_.default
 _INDEX_COPY = torch.ops.aten.index_copy.default
 
 
-def reinplace_input_writes(gm: torch.fx.GraphModule) -> list[str]:
+def view_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> set[str]:
+    """Names of the placeholders whose example input is a view into a larger
+    storage (an offset into it, or fewer bytes than it holds): say the K or V
+    half of one ``[2, ...]`` cache passed in as two inputs. AOTAutograd keeps
+    such inputs apart when they do not overlap; Habana's passes reinplace
+    ``index_copy`` on non-view inputs only (module doc)."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    views = set()
+    for name, value in zip(names, example_inputs, strict=False):
+        if not isinstance(value, torch.Tensor):
+            continue
+        spans = value.numel() * value.element_size()
+        storage = value.untyped_storage().nbytes()
+        if value.storage_offset() or storage > spans:
+            views.add(name)
+    return views
+
+
+def reinplace_input_writes(
+    gm: torch.fx.GraphModule, views: set[str] | frozenset[str] = frozenset()
+) -> list[str]:
     """Turn ``copy_(x, index_copy(x, dim, index, src))`` on a graph input ``x``
     into ``index_copy_(x, dim, index, src)``, as Habana's passes do (module
-    doc), where nothing reads ``x``'s old value after the write. Returns the
-    names of the rewritten writes; the graph is recompiled in place."""
+    doc), where ``x`` is not a view (``views``: placeholder names) and nothing
+    reads ``x``'s old value after the write. Returns the names of the
+    rewritten writes; the graph is recompiled in place."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     done = []
     for node in list(gm.graph.nodes):
@@ -143,7 +167,7 @@ def reinplace_input_writes(gm: torch.fx.GraphModule) -> list[str]:
         dest, src = node.args[0], node.args[1]
         if not isinstance(dest, torch.fx.Node) or not isinstance(src, torch.fx.Node):
             continue
-        if dest.op != "placeholder":
+        if dest.op != "placeholder" or dest.name in views:
             continue
         if src.target is not _INDEX_COPY or src.args[0] is not dest:
             continue
@@ -197,7 +221,7 @@ def make_hpu_backend(
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         check_graph(gm)
-        reinplace_input_writes(gm)
+        reinplace_input_writes(gm, view_inputs(gm, example_inputs))
         copies = copies_of_inputs(gm, _runtime_mutations())
         if copies:
             InputCopies.add(copies)

@@ -24,8 +24,10 @@ the ``hpu`` device, its ``empty_cache`` raising "Allocator for hpu is not a
 DeviceAllocator" as the bridge of Gaudi software 1.24 does (HabanaAI/vllm-fork
 #2250; vllm-gaudi ``patches.py`` replaces it), Inductor refusing HPU tensors,
 and the ``hccl`` process-group backend, stood in by gloo; the FP8 ops
-``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` (``fp8_ops``), and the MoE
-op ``torch.ops.hpu.mixture_of_experts`` (``moe_ops``).
+``torch.ops.hpu.cast_to_fp8_v2`` and ``fp8_gemm_v2`` (``fp8_ops``), the MoE
+op ``torch.ops.hpu.mixture_of_experts`` (``moe_ops``); and xgrammar's bitmask
+kernel choosing ``torch.compile`` for logits still on the card, told from the
+device module's host copies (``grammar``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 
 import torch
 
-from vllm_hpu_mm.gaudi_sim import fp8_ops, kernels, moe_ops
+from vllm_hpu_mm.gaudi_sim import fp8_ops, grammar, kernels, moe_ops
 from vllm_hpu_mm.gaudi_sim.bridge import SimBridgeConfig
 from vllm_hpu_mm.gaudi_sim.card import SimHost, SimTorchHpu
 from vllm_hpu_mm.gaudi_sim.collectives import LazyCollectives
@@ -87,6 +89,8 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.backend = make_hpu_backend(self._is_lazy, LAZY_ENV)
         # lazy mode as read at import of habana_frameworks.torch (not yet: eager)
         self.collectives = LazyCollectives(lambda: bool(self.lazy))
+        # What the device module copied to the host (``grammar``).
+        self.host_copies = grammar.HostCopies()
 
     def _fill(self) -> None:
         m = self.modules
@@ -114,6 +118,13 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def _wrap(self, model: Any) -> Any:
         self.calls.append("wrap_in_hpu_graph")
         return model
+
+    def host_copy(
+        self, t: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """A device-to-host copy: a real copy, recorded as on the host (the
+        simulated card's tensors are host tensors already; ``grammar``)."""
+        return self.host_copies.copy(t, dtype)
 
     def hpu_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         compiled = self.backend(gm, example_inputs)
@@ -157,6 +168,7 @@ class SimHabana(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _register_hccl_as_gloo()
         fp8_ops.register()  # torch.ops.hpu.cast_to_fp8_v2 / fp8_gemm_v2
         moe_ops.register()  # torch.ops.hpu.mixture_of_experts
+        grammar.install(self.host_copies)  # xgrammar's kernel choice on HPU logits
         import torch.distributed as dist
 
         for name, fn in self.collectives.wrappers().items():

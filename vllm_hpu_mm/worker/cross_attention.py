@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
-from hpu_kernels.cross_attention import CrossRequest
+from hpu_kernels.cross_attention import CrossRequest, new_cross_cache
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.cross import CrossAttentionMetadata
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
@@ -245,9 +245,10 @@ class CrossAttentionInputs:
         self.slots = ImageSlots(capacity)
         dtype = vllm_config.model_config.dtype
         for layer in model.cross_attention_layers():
-            layer.cache = torch.zeros(
-                2, capacity + 1, self.rows, layer.num_kv_heads, layer.head_dim,
-                dtype=dtype, device=device,
+            # K and V allocated apart, written in place (``CrossCache``)
+            layer.cache = new_cross_cache(
+                capacity + 1, self.rows, layer.num_kv_heads, layer.head_dim,
+                dtype, device,
             )  # fmt: skip
         self.item_buckets = exponential(1, max(1, min(8, capacity)))
         most = self.item_buckets[-1]
@@ -277,8 +278,7 @@ class CrossAttentionInputs:
         self.images: dict[str, list[RequestImage]] = {}  # request -> its images
         self.num_tiles: dict[str, int] = {}  # image key -> its real tiles
         cache_bytes = sum(
-            layer.cache.numel() * layer.cache.element_size()
-            for layer in model.cross_attention_layers()
+            layer.cache.nbytes() for layer in model.cross_attention_layers()
         )
         _check_slot_bytes(vllm_config, cache_bytes // (capacity + 1))
         cache_mib = cache_bytes / 2**20

@@ -454,8 +454,11 @@ class HpuMMModelRunner:
         (vllm-gaudi ``hpu_model_runner.py``): xgrammar picks its kernel by the
         logits' device and, for one neither CPU nor CUDA, its
         ``torch.compile(dynamic=True)`` kernel, which is Inductor on HPU
-        tensors (and symbolic shapes), refused by Habana's stack."""
-        target = logits.cpu() if dev.device_kind() == "hpu" else logits
+        tensors (and symbolic shapes), refused by Habana's stack. The host copy
+        is float32, the dtype xgrammar's CPU kernel takes (vLLM would cast a
+        second copy otherwise)."""
+        on_hpu = dev.device_kind() == "hpu"
+        target = dev.to_host(logits, torch.float32) if on_hpu else logits
         apply_grammar_bitmask(
             scheduler_output,
             grammar_output,

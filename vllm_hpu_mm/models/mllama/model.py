@@ -33,6 +33,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
 from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from hpu_kernels.cross_attention import CrossCache, write_cross_kv
 from vllm_hpu_mm.attention.cross import cross_attention, cross_layer_registry
 from vllm_hpu_mm.models.checkpoint_files import model_path_of
 from vllm_hpu_mm.models.mllama import weights as weights_lib
@@ -87,8 +88,8 @@ class MllamaCrossAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.layer_name = layer_name
-        # [2, slots, rows, kv heads of this rank, head]; bound by the runner.
-        self.cache = torch.empty(0)
+        # K, V [slots, rows, kv heads of this rank, head]; bound by the runner.
+        self.cache = CrossCache(torch.empty(0), torch.empty(0))
         cross_layer_registry(registry, layer_name, self)
 
     def image_kv(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,9 +251,7 @@ class MllamaForConditionalGeneration(nn.Module, SupportsMultiModal):
     def write_cross_kv(self, states: torch.Tensor, slots: torch.Tensor) -> None:
         """Store every cross-attention layer's K/V of the images in ``slots``."""
         for layer in self.cross_attention_layers():
-            key, value = layer.image_kv(states)
-            layer.cache[0].index_copy_(0, slots, key.to(layer.cache.dtype))
-            layer.cache[1].index_copy_(0, slots, value.to(layer.cache.dtype))
+            write_cross_kv(layer.cache, slots, *layer.image_kv(states))
 
     # ---- vLLM model interface ------------------------------------------------------
     def embed_multimodal(self, **kwargs: object) -> Any:

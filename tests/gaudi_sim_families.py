@@ -52,7 +52,7 @@ class Family:
     prefill_buckets: str = "[16]"
 
     def prompt(self, question: str, images: int) -> str:
-        if self.name in ("qwen2_5_vl", "qwen3_vl"):
+        if self.name.startswith("qwen"):
             from tests.qwen_reference import qwen_prompt
 
             return qwen_prompt(images, question)

@@ -19,7 +19,13 @@ budget (``hpu_mm.memory.cross_attention_cache_gib``) holds 3. So:
   whole cache) is a 400 (the platform lowers the limit to the slots, so vLLM
   refuses it before processing its images), and the server goes on serving.
 
-One server for both (they were two modules, each starting its own).
+One server for both (they were two modules, each starting its own), on the
+simulated Gaudi (``VLLM_HPU_MM_DEVICE=hpu VLLM_HPU_MM_GAUDI_SIM=1``): Gaudi's
+path, graph mode over explicit buckets compiled by the simulated
+``hpu_backend``, block size 128, the flat cross-attention layout and the
+per-bucket encoder graphs, in float32 (Mllama takes PyTorch's SDPA, not
+FusedSDPA's fast softmax, so HF's tokens are matched exactly); nothing is
+compiled while serving.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from typing import Any
 import pytest
 import requests
 
+from tests.e2e import test_serve
+from tests.e2e.test_gaudi_sim_serve import _sim_compiles_after_warmup
 from tests.e2e.test_serve import Server, serve
 from tests.mllama_reference import hf_mllama_greedy, mllama_chat, tiny_mllama_dir
 from tests.mm_reference import make_image
@@ -43,22 +51,45 @@ MAX_NEW = 6
 # Tiny Mllama's slot: 2 layers x K,V x 96 rows x 2 KV heads x 16 x 4 bytes.
 SLOT_BYTES = 2 * 2 * 96 * 2 * 16 * 4
 SLOTS = 3
+BUCKETS = "prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [1, 2, 4, 8]\n"
 BUDGET_GIB = (SLOTS + 0.5) * SLOT_BYTES / 2**30
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log_path = tmp_path_factory.mktemp("serve_mllama") / "server.log"
-    yield from serve(
-        tiny_mllama_dir(),
-        log_path,
-        "--max-num-seqs",
-        "4",
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 4}),
-        "--additional-config",
-        json.dumps({"hpu_mm": {"memory": {"cross_attention_cache_gib": BUDGET_GIB}}}),
-    )
+    tmp = tmp_path_factory.mktemp("serve_mllama")
+    (tmp / "buckets.yaml").write_text(BUCKETS)
+    plugin = {
+        "graph_mode": "compile",
+        "bucketing": {"strategy": "explicit", "file": str(tmp / "buckets.yaml")},
+        "warmup": {"progress_bar": False},
+        "memory": {"cross_attention_cache_gib": BUDGET_GIB},
+    }
+    patch = pytest.MonkeyPatch()
+    # Gaudi's path on the simulated card (every process of the server).
+    patch.setenv("VLLM_HPU_MM_DEVICE", "hpu")
+    patch.setenv("VLLM_HPU_MM_GAUDI_SIM", "1")
+    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", "256M")
+    patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
+    try:
+        yield from serve(
+            tiny_mllama_dir(),
+            tmp / "server.log",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--limit-mm-per-prompt",
+            json.dumps({"image": 4}),
+            "--additional-config",
+            json.dumps({"hpu_mm": plugin}),
+        )
+    finally:
+        patch.undo()
 
 
 def _images(first: int, n: int) -> list[Any]:
@@ -143,3 +174,20 @@ def test_more_images_than_the_cache_is_a_400_and_serving_goes_on(
     assert response.status_code == 400, response.text
     assert "At most 3 image(s)" in response.text
     _check_hf(mllama_chat(server, four[:3], "Three?", MAX_NEW), four[:3])
+
+
+def test_the_server_runs_on_the_simulated_gaudi_and_compiles_nothing_serving(
+    server: Server,
+) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert "simulated Gaudi" in log and "block_size=128" in log
+    assert "backend hpu_backend" in log
+    assert _sim_compiles_after_warmup(server) == []
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    compiles = {"warmup": 0.0, "serving": 0.0}
+    for line in text.splitlines():
+        if line.startswith("vllm_hpu_mm:graph_compiles_total{"):
+            for phase in compiles:
+                if f'phase="{phase}"' in line:
+                    compiles[phase] += float(line.split()[-1])
+    assert compiles["warmup"] > 0 and compiles["serving"] == 0, compiles

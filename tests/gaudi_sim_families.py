@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,8 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
+    from tests.mm_reference import engine_lifetime
+
     buckets = os.path.join(workdir, f"{family.name}.yaml")
     with open(buckets, "w") as f:
         f.write(
@@ -145,7 +148,7 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
             "decode_batch: [1, 4]\nblocks: [1, 2, 4, 8]\n"
         )
     warm0, serve0 = _serving_compiles()
-    llm = LLM(
+    engine = LLM(
         model=os.path.join(models, family.model),
         dtype="bfloat16",
         max_model_len=256,
@@ -162,7 +165,7 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
             }
         },
     )
-    try:
+    with contextmanager(engine_lifetime)(engine) as llm:
         warm1, serve1 = _serving_compiles()
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         with_lps = SamplingParams(
@@ -203,14 +206,6 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
             "again_tokens": list(again.outputs[0].token_ids),
             "again_cached": again.num_cached_tokens or 0,
         }
-    finally:
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
-        del llm
-        import gc
-
-        gc.collect()
 
 
 def main(argv: list[str]) -> int:

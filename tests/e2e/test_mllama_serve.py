@@ -41,7 +41,7 @@ import requests
 
 from tests.e2e import test_serve
 from tests.e2e.test_gaudi_sim_serve import _sim_compiles_after_warmup
-from tests.e2e.test_serve import Server, serve
+from tests.e2e.test_serve import Server, serve, server_compiles
 from tests.mllama_reference import hf_mllama_greedy, mllama_chat, tiny_mllama_dir
 from tests.mm_reference import make_image
 
@@ -183,11 +183,5 @@ def test_the_server_runs_on_the_simulated_gaudi_and_compiles_nothing_serving(
     assert "simulated Gaudi" in log and "block_size=128" in log
     assert "backend hpu_backend" in log
     assert _sim_compiles_after_warmup(server) == []
-    text = requests.get(f"{server.url}/metrics", timeout=10).text
-    compiles = {"warmup": 0.0, "serving": 0.0}
-    for line in text.splitlines():
-        if line.startswith("vllm_hpu_mm:graph_compiles_total{"):
-            for phase in compiles:
-                if f'phase="{phase}"' in line:
-                    compiles[phase] += float(line.split()[-1])
+    compiles = server_compiles(server)
     assert compiles["warmup"] > 0 and compiles["serving"] == 0, compiles

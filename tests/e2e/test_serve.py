@@ -119,6 +119,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=STOP_TIMEOUT_S)
 
 
+def server_compiles(server: Server) -> dict[str, float]:
+    """The plugin's graph compilations by phase (``warmup``, ``serving``), as
+    the server's ``/metrics`` counts them."""
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    compiles = {"warmup": 0.0, "serving": 0.0}
+    for line in text.splitlines():
+        if line.startswith("vllm_hpu_mm:graph_compiles_total{"):
+            for phase in compiles:
+                if f'phase="{phase}"' in line:
+                    compiles[phase] += float(line.split()[-1])
+    return compiles
+
+
 def serve(model_dir: str, log_path: Path, *extra_args: str) -> Iterator[Server]:
     """Run ``vllm serve model_dir`` on a free loopback port until the generator
     is closed; then stop it and fail on any unexpected traceback in its log."""

@@ -27,10 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import requests
 
 from tests.e2e import test_serve
-from tests.e2e.test_serve import Server, serve
+from tests.e2e.test_serve import Server, serve, server_compiles
 from tests.e2e.test_structured_output import (
     CHOICES,
     REGEX,
@@ -229,11 +228,5 @@ def test_mixed_concurrent_load(server: Server) -> None:
 def test_no_compilation_while_serving(server: Server) -> None:
     """After every request above (constrained, tool calls, free, concurrent),
     ``/metrics`` shows the warmup's compilations and none while serving."""
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    compiles = {"warmup": 0.0, "serving": 0.0}
-    for line in text.splitlines():
-        if line.startswith("vllm_hpu_mm:graph_compiles_total{"):
-            for phase in compiles:
-                if f'phase="{phase}"' in line:
-                    compiles[phase] += float(line.split()[-1])
+    compiles = server_compiles(server)
     assert compiles["warmup"] > 0 and compiles["serving"] == 0, compiles

@@ -103,10 +103,7 @@ _KNOWN = pytest.mark.xfail(
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=_KNOWN) if n.startswith("qwen") else n
-        for n in FAMILIES
-    ],
+    [pytest.param(n, marks=_KNOWN) if n.startswith("qwen") else n for n in FAMILIES],
 )
 def test_family_on_the_simulated_gaudi_matches_hf_bf16(
     name: str, results: dict[str, Any], tally: Bf16Tally

@@ -51,6 +51,7 @@ class Family:
     budget: int = 16  # max_num_batched_tokens: smaller than an image's run
     tp: int = 1  # tensor_parallel_size (spawned workers, hccl over gloo)
     prefill_buckets: str = "[16]"
+    preempt: bool = False  # a KV cache too small for the batch: see run_preemption
 
     def prompt(self, question: str, images: int) -> str:
         if self.name.startswith("qwen"):
@@ -90,6 +91,7 @@ FAMILIES = {
         Family("mllama", "tiny-mllama", "<|image|>"),
         # TP=2: each rank one KV head of every (cross-)attention layer.
         Family("mllama_tp2", "tiny-mllama", "<|image|>", tp=2),
+        Family("llama_preempt", "tiny-llama", "", vision=False, preempt=True),
     )
 }
 
@@ -208,6 +210,84 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
         }
 
 
+# Preemption on Gaudi's path: four prompts of 100-124 tokens each fit one
+# 128-token block and cross into a second while they decode PREEMPT_NEW
+# tokens; PREEMPT_BLOCKS blocks cannot hold the four at once, so vLLM preempts
+# running requests (their blocks freed, their K/V recomputed when they return)
+# while others decode and prefill in the same steps.
+PREEMPT_LENGTHS = (100, 108, 116, 124)
+PREEMPT_NEW = 24
+PREEMPT_BLOCKS = 5
+
+
+def preemption_prompts(model_dir: str) -> list[list[int]]:
+    """Seeded random ordinary ids (no special tokens), one prompt a length."""
+    import torch
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    gen = torch.Generator().manual_seed(27)
+    return [
+        torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PREEMPT_LENGTHS
+    ]
+
+
+def run_preemption(family: Family, models: str, workdir: str) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.mm_reference import engine_lifetime
+
+    model_dir = os.path.join(models, family.model)
+    buckets = os.path.join(workdir, f"{family.name}.yaml")
+    with open(buckets, "w") as f:
+        f.write("prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8]\n")
+    warm0, _ = _serving_compiles()
+    engine = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=PREEMPT_BLOCKS,
+        disable_log_stats=False,  # for vllm:num_preemptions
+        seed=0,
+        additional_config={
+            "hpu_mm": {
+                "graph_mode": "compile",
+                "bucketing": {"strategy": "explicit", "file": buckets},
+                "warmup": {"progress_bar": False},
+            }
+        },
+    )
+    with contextmanager(engine_lifetime)(engine) as llm:
+        warm1, serve1 = _serving_compiles()
+        prompts = preemption_prompts(model_dir)
+        greedy = SamplingParams(
+            temperature=0.0, max_tokens=PREEMPT_NEW, ignore_eos=True
+        )
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False
+        )
+        _, serve2 = _serving_compiles()
+        preemptions = sum(
+            getattr(m, "value", 0)
+            for m in llm.get_metrics()
+            if m.name == "vllm:num_preemptions"
+        )
+        return {
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "warmup_compiles": warm1 - warm0,
+            "serving_compiles": serve2 - serve1,
+            "preemptions": preemptions,
+            "cases": [
+                {"prompt_ids": p, "tokens": list(o.outputs[0].token_ids)}
+                for p, o in zip(prompts, outs, strict=True)
+            ],
+        }
+
+
 def main(argv: list[str]) -> int:
     out_path, names = argv[0], argv[1:] or list(FAMILIES)
     os.environ["VLLM_HPU_MM_DEVICE"] = "hpu"
@@ -219,7 +299,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
             try:
-                results[name] = run_family(FAMILIES[name], models, workdir)
+                family = FAMILIES[name]
+                run = run_preemption if family.preempt else run_family
+                results[name] = run(family, models, workdir)
             except Exception:  # reported per family; the next one still runs
                 results[name] = {"error": traceback.format_exc()[-3000:]}
             with open(out_path, "w") as f:

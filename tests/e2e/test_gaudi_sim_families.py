@@ -26,7 +26,14 @@ import pytest
 import torch
 
 from tests.fresh_interpreter import REPO_ROOT
-from tests.gaudi_sim_families import CHOICES, FAMILIES, MAX_NEW, Family, images_of
+from tests.gaudi_sim_families import (
+    CHOICES,
+    FAMILIES,
+    MAX_NEW,
+    PREEMPT_NEW,
+    Family,
+    images_of,
+)
 from tests.hf_reference import Bf16Tally, compare_greedy_bf16, hf_greedy_steps
 from tests.mllama_reference import hf_mllama_greedy_steps
 from tests.mm_reference import hf_vlm_greedy_steps, load_hf_processor, load_hf_vlm
@@ -103,7 +110,11 @@ _KNOWN = pytest.mark.xfail(
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=_KNOWN) if n.startswith("qwen") else n for n in FAMILIES],
+    [
+        pytest.param(n, marks=_KNOWN) if n.startswith("qwen") else n
+        for n, f in FAMILIES.items()
+        if not f.preempt
+    ],
 )
 def test_family_on_the_simulated_gaudi_matches_hf_bf16(
     name: str, results: dict[str, Any], tally: Bf16Tally
@@ -124,3 +135,24 @@ def test_family_on_the_simulated_gaudi_matches_hf_bf16(
     assert got["logprobs"] == MAX_NEW
     assert got["prompt_logprobs"] == len(got["cases"][2]["prompt_ids"])
     assert got["choice"] in CHOICES
+
+
+def test_preempted_requests_on_the_simulated_gaudi_match_hf_bf16(
+    results: dict[str, Any], tally: Bf16Tally
+) -> None:
+    """A KV cache of 5 blocks of 128 for four requests that each grow into a
+    second block: vLLM preempts and recomputes requests on Gaudi's path
+    (static plan, flat decode, mixed steps) and the tokens stay HF's."""
+    got = results["llama_preempt"]
+    assert "error" not in got, got.get("error")
+    model_dir = str(Path(REPO_ROOT) / "models" / FAMILIES["llama_preempt"].model)
+    assert got["block_size"] == 128 and got["num_blocks"] == 5, got
+    assert got["preemptions"] > 0, "the KV cache was meant to be too small"
+    assert got["serving_compiles"] == 0, got
+    for i, case in enumerate(got["cases"]):
+        want, logits = hf_greedy_steps(
+            model_dir, case["prompt_ids"], PREEMPT_NEW, torch.bfloat16
+        )
+        tally.add(
+            f"llama_preempt case {i}", compare_greedy_bf16(case["tokens"], want, logits)
+        )

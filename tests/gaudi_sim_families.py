@@ -91,7 +91,14 @@ FAMILIES = {
         Family("mllama", "tiny-mllama", "<|image|>"),
         # TP=2: each rank one KV head of every (cross-)attention layer.
         Family("mllama_tp2", "tiny-mllama", "<|image|>", tp=2),
-        Family("llama_preempt", "tiny-llama", "", vision=False, preempt=True),
+        Family(
+            "llama_preempt",
+            "tiny-llama",
+            "",
+            vision=False,
+            preempt=True,
+            prefill_buckets="[16, 64]",
+        ),
     )
 }
 
@@ -137,11 +144,10 @@ def _serving_compiles() -> tuple[float, float]:
     )
 
 
-def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    from tests.mm_reference import engine_lifetime
+def _engine(family: Family, models: str, workdir: str, **engine_args: Any) -> Any:
+    """An engine for ``family`` on Gaudi's path: bfloat16, graph mode, the
+    family's explicit buckets, 4 sequences of at most 256 tokens."""
+    from vllm import LLM
 
     buckets = os.path.join(workdir, f"{family.name}.yaml")
     with open(buckets, "w") as f:
@@ -149,16 +155,13 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
             f"prefill_tokens: {family.prefill_buckets}\n"
             "decode_batch: [1, 4]\nblocks: [1, 2, 4, 8]\n"
         )
-    warm0, serve0 = _serving_compiles()
-    engine = LLM(
+    return LLM(
         model=os.path.join(models, family.model),
         dtype="bfloat16",
         max_model_len=256,
         max_num_seqs=4,
-        max_num_batched_tokens=family.budget,
         tensor_parallel_size=family.tp,
         seed=0,
-        limit_mm_per_prompt={"image": 1} if family.vision else None,
         additional_config={
             "hpu_mm": {
                 "graph_mode": "compile",
@@ -166,6 +169,23 @@ def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
                 "warmup": {"progress_bar": False},
             }
         },
+        **engine_args,
+    )
+
+
+def run_family(family: Family, models: str, workdir: str) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from tests.mm_reference import engine_lifetime
+
+    warm0, serve0 = _serving_compiles()
+    engine = _engine(
+        family,
+        models,
+        workdir,
+        max_num_batched_tokens=family.budget,
+        limit_mm_per_prompt={"image": 1} if family.vision else None,
     )
     with contextmanager(engine_lifetime)(engine) as llm:
         warm1, serve1 = _serving_compiles()
@@ -233,32 +253,20 @@ def preemption_prompts(model_dir: str) -> list[list[int]]:
 
 
 def run_preemption(family: Family, models: str, workdir: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from tests.mm_reference import engine_lifetime
 
     model_dir = os.path.join(models, family.model)
-    buckets = os.path.join(workdir, f"{family.name}.yaml")
-    with open(buckets, "w") as f:
-        f.write("prefill_tokens: [16, 64]\ndecode_batch: [1, 4]\nblocks: [2, 4, 8]\n")
     warm0, _ = _serving_compiles()
-    engine = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=4,
+    engine = _engine(
+        family,
+        models,
+        workdir,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=PREEMPT_BLOCKS,
         disable_log_stats=False,  # for vllm:num_preemptions
-        seed=0,
-        additional_config={
-            "hpu_mm": {
-                "graph_mode": "compile",
-                "bucketing": {"strategy": "explicit", "file": buckets},
-                "warmup": {"progress_bar": False},
-            }
-        },
     )
     with contextmanager(engine_lifetime)(engine) as llm:
         warm1, serve1 = _serving_compiles()

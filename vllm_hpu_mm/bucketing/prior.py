@@ -12,7 +12,9 @@ token or batch size costs one graph per block size its steps reach, so the
 block axis steps by 4x below half a request's blocks as well.
 
 Derived from the limits alone (each axis ends at its limit, so no legal step
-takes the fallback):
+takes the fallback). Never more warmup graphs than ``exponential``: where the
+ladder would compile more (small limits, where x2 steps are already few), with
+either decode form, the exponential set at the same smallest sizes is used.
 
 - tokens: from ``min_tokens``, x4 up to ``max_num_batched_tokens / 8``, then
   half octaves up to ``max_num_batched_tokens``;
@@ -42,7 +44,13 @@ part in the choice; figures in docs/performance.md.
 
 from __future__ import annotations
 
-from vllm_hpu_mm.bucketing.buckets import BucketSet, Limits, clip
+from vllm_hpu_mm.bucketing.buckets import (
+    BucketSet,
+    Limits,
+    clip,
+    count_graphs,
+    exponential,
+)
 
 TOKENS_FINE_FROM = 8
 """Token sizes are half octaves from ``max_num_batched_tokens / 8`` up."""
@@ -89,7 +97,17 @@ def prior_buckets(
     batch = ladder(lo_batch, seqs, max(1, seqs // BATCH_FINE_FROM))
     blocks_from = max(1, limits.max_blocks_per_seq // BLOCKS_FINE_FROM)
     blocks = _doubling_from(blocks_from, limits.max_blocks)
-    return BucketSet(tokens=clip(tokens, max_tokens), batch=batch, blocks=blocks)
+    ladders = BucketSet(tokens=clip(tokens, max_tokens), batch=batch, blocks=blocks)
+    doubling = BucketSet(
+        tokens=clip(exponential(lo_tokens, max_tokens), max_tokens),
+        batch=exponential(lo_batch, seqs),
+        blocks=exponential(1, limits.max_blocks),
+    )
+    fewer = all(
+        count_graphs(ladders, limits, form) <= count_graphs(doubling, limits, form)
+        for form in ("flat", "batched")
+    )
+    return ladders if fewer else doubling
 
 
 def _doubling_from(fine_from: int, hi: int) -> tuple[int, ...]:

@@ -15,6 +15,8 @@ Derived from the limits alone (each axis ends at its limit, so no legal step
 takes the fallback). Never more warmup graphs than ``exponential``: where the
 ladder would compile more (small limits, where x2 steps are already few), with
 either decode form, the exponential set at the same smallest sizes is used.
+(Graphs keyed by token count alone at static sizes, the dynamic plan on HPU,
+count distinct sizes: 16 here against 14 at 128/8192; not guarded.)
 
 - tokens: from ``min_tokens``, x4 up to ``max_num_batched_tokens / 8``, then
   half octaves up to ``max_num_batched_tokens``;

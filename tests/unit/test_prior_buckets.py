@@ -156,3 +156,49 @@ def test_held_out_padding_below_exponential_and_the_ladder_bound() -> None:
         assert all(
             bucketer.pad(s).prefill_tokens <= 1.5 * s.prefill_tokens for s in fine
         )
+
+
+def _observed(axis: str) -> tuple[float, float]:
+    """(count, sum) of the ``step_shape`` histogram's ``axis`` in this process."""
+    from vllm_hpu_mm import metrics
+
+    count = total = 0.0
+    for family in metrics.STEP_SHAPE.collect():
+        for sample in family.samples:
+            if sample.labels.get("axis") != axis:
+                continue
+            if sample.name.endswith("_count"):
+                count = sample.value
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+    return count, total
+
+
+def test_shape_policy_observes_served_steps_only() -> None:
+    """Steps before ``start_serving`` (warmup, the memory profile) are not in
+    the histogram; served ones are, by axis, with their exact sizes."""
+    from vllm_hpu_mm.attention.metadata import StepShape
+    from vllm_hpu_mm.worker.shapes import ShapePolicy
+
+    policy = ShapePolicy(prior_buckets(BENCH))
+    axes = ("tokens", "requests", "decode_rows", "decode_blocks", "prefill_tokens")
+    start = {a: _observed(a) for a in axes}
+    mixed = StepShape(
+        num_decodes=3, decode_blocks=7, num_prefill_tokens=50, prefill_blocks=1
+    )
+    policy(mixed, 4)  # warmup
+    assert {a: _observed(a) for a in axes} == start
+    policy.start_serving()
+    padded, batch = policy(mixed, 4)
+    assert padded.num_tokens > mixed.num_tokens and batch == 4
+    policy(StepShape(2, 5, 0, 0), 2)  # decode only: no prefill axes
+
+    def added(axis: str) -> tuple[float, float]:
+        (c0, s0), (c1, s1) = start[axis], _observed(axis)
+        return c1 - c0, s1 - s0
+
+    assert added("tokens") == (2, 53 + 2)
+    assert added("requests") == (2, 6)
+    assert added("decode_rows") == (2, 5)
+    assert added("decode_blocks") == (2, 12)
+    assert added("prefill_tokens") == (1, 50)

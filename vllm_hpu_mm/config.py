@@ -269,9 +269,13 @@ class BucketingConfig(_Section):
     _KEY: ClassVar[str] = f"{ROOT_KEY}.bucketing"
     _buckets: ExplicitBuckets | None = pydantic.PrivateAttr(default=None)
 
-    strategy: Literal["exponential", "linear", "explicit", "off"] = "exponential"
+    strategy: Literal["prior", "exponential", "linear", "explicit", "off"] = "prior"
     """How bucket sizes are generated. Inputs are padded up to a bucket, so only a known
-    set of shapes gets compiled. `exponential`: powers of two from the minimum sizes.
+    set of shapes gets compiled. `prior`: half octaves (1, 1.5, 2, 3, 4, 6, ...) in the
+    top of each axis and 4x steps below, derived from the engine's limits
+    (`vllm_hpu_mm/bucketing/prior.py` says how it was chosen); it pads fewer rows than
+    `exponential` with fewer warmup graphs. `exponential`: powers of two from the
+    minimum sizes.
     `linear`: fixed steps (`*_step_*`). `explicit`: the lists in `bucketing.file`.
     `off`: no padding, so every new shape compiles when it first appears."""
     file: str | None = None

@@ -8,7 +8,7 @@ operator has not set one. Import this module only from worker-side code.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 PREFIX = "vllm_hpu_mm:"
 
@@ -38,6 +38,18 @@ BUCKET_SCHEDULED_TOKENS = Counter(
 FALLBACK_BUCKETS = Counter(
     PREFIX + "fallback_buckets",
     "Steps whose shape fitted no prepared bucket and took the fallback size.",
+)
+STEP_SIZE_EDGES = tuple(m * 2.0**e for e in range(18) for m in (1.0, 1.5))
+"""Histogram edges of ``STEP_SHAPE``: half octaves 1, 1.5, 2, 3, 4, 6, ... up to
+3 * 2**17 (an axis value above the last lands in ``+Inf``)."""
+STEP_SHAPE = Histogram(
+    PREFIX + "step_shape",
+    "Exact (unpadded) sizes of the served steps, by axis (first rank; warmup and "
+    "the memory profile not counted): tokens (decode rows + prefill tokens), "
+    "requests, decode_rows, decode_blocks (steps with decodes), prefill_tokens, "
+    "prefill_blocks (steps with a prefill). The traffic to fit buckets to.",
+    ["axis"],
+    buckets=STEP_SIZE_EDGES,
 )
 WARMUP_SECONDS = Gauge(
     PREFIX + "warmup_seconds",

@@ -373,3 +373,52 @@ def test_metrics(server: Server) -> None:
     assert scheduled, "vllm_hpu_mm:scheduled_tokens_total missing from /metrics"
     assert float(scheduled[0].split()[-1]) > 0
     assert "vllm_hpu_mm:padded_tokens_total" in response.text
+
+
+def _metric_values(server: Server) -> dict[str, float]:
+    """``/metrics`` as ``{"name{labels}": value}`` (comment lines dropped)."""
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_step_shape_histogram_counts_served_steps(server: Server) -> None:
+    """The ``step_shape`` histogram an operator fits buckets to: one more
+    completion adds its prompt and generated tokens to the ``tokens`` axis
+    (the same rows ``scheduled_tokens_total`` counts, in one prefill step and
+    a decode step per further token), and its buckets are cumulative."""
+    prompt = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]  # no cached prefix
+    hist = "vllm_hpu_mm:step_shape"
+    before = _metric_values(server)
+    out = _completion(server, prompt)
+    after = _metric_values(server)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    generated = len(out["choices"][0]["token_ids"])
+    assert generated == MAX_NEW
+    tokens = delta(hist + '_sum{axis="tokens"}')
+    assert tokens == delta("vllm_hpu_mm:scheduled_tokens_total")
+    # prompt rows, then one decode row a step for each token after the first;
+    # async scheduling may run one more decode step than it keeps
+    assert len(prompt) + MAX_NEW - 1 <= tokens <= len(prompt) + MAX_NEW
+    assert delta(hist + '_sum{axis="prefill_tokens"}') == len(prompt)
+    steps = delta(hist + '_count{axis="requests"}')
+    assert delta(hist + '_count{axis="tokens"}') == steps
+    assert MAX_NEW <= steps <= MAX_NEW + 1
+    assert delta(hist + '_count{axis="decode_rows"}') == steps - 1
+    # cumulative counts by edge (labels in any order), ending in +Inf = count
+    cumulative = {}
+    for key, value in after.items():
+        if key.startswith(hist + "_bucket{") and 'axis="tokens"' in key:
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            cumulative[float(le)] = value
+    assert len(cumulative) == 37  # 36 half-octave edges and +Inf
+    counts = [cumulative[le] for le in sorted(cumulative)]
+    assert counts == sorted(counts)
+    assert counts[-1] == after[hist + '_count{axis="tokens"}']

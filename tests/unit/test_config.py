@@ -56,7 +56,7 @@ def test_defaults() -> None:
     assert cfg.graph_mode == "auto"
     assert cfg.config_file is None
     assert cfg.bucketing == BucketingConfig()
-    assert cfg.bucketing.strategy == "exponential"
+    assert cfg.bucketing.strategy == "prior"
     assert cfg.bucketing.file is None
     assert cfg.bucketing.buckets is None
     assert cfg.bucketing.prefill_min_tokens == 32
@@ -250,7 +250,7 @@ def test_bad_choice() -> None:
     msg = error_of(bucketing={"strategy": "expo"})
     assert (
         "hpu_mm.bucketing.strategy = 'expo' (from --additional-config) is not one "
-        "of 'exponential', 'linear', 'explicit', 'off'"
+        "of 'prior', 'exponential', 'linear', 'explicit', 'off'"
     ) in msg
     assert "did you mean 'exponential'?" in msg
     assert "how bucket sizes are generated" in msg  # the why
@@ -455,7 +455,7 @@ def test_round_trip_defaults_and_examples(tmp_path: Path) -> None:
 
 def test_to_dict_is_plain() -> None:
     data = HpuMMConfig().to_dict()
-    assert data["bucketing"]["strategy"] == "exponential"
+    assert data["bucketing"]["strategy"] == "prior"
     assert data["warmup"] == {
         "skip": False,
         "progress_bar": True,
@@ -487,7 +487,7 @@ positive = st.integers(min_value=1, max_value=1 << 20)
 bucketing_dicts = st.fixed_dictionaries(
     {},
     optional={
-        "strategy": st.sampled_from(["exponential", "linear", "off"]),
+        "strategy": st.sampled_from(["prior", "exponential", "linear", "off"]),
         "prefill_min_tokens": positive,
         "prefill_step_tokens": positive,
         "decode_min_batch": positive,

@@ -372,7 +372,8 @@ def test_cli_plan_synthetic_round_trip(
     planned_row = next(r for r in printed.splitlines() if r.startswith("| planned"))
     assert int(planned_row.split("|")[2]) <= 18
     assert planned_row.split("|")[-2].strip() == "0"  # no fallback steps
-    assert "| exponential (default) | 17 |" in printed
+    assert "| exponential | 17 |" in printed
+    assert "| prior (default) |" in printed
 
     text = out.read_text()
     assert text.startswith("# Bucket lists planned by `vllm-hpu-mm buckets plan`")

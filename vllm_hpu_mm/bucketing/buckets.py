@@ -217,6 +217,10 @@ def default_buckets(
     """Buckets for the whole range the limits allow."""
     max_batch = limits.max_num_seqs
     min_batch = min(min_batch, max_batch)
+    if strategy == "prior":
+        from vllm_hpu_mm.bucketing.prior import prior_buckets
+
+        return prior_buckets(limits, min_tokens=min_tokens, min_batch=min_batch)
     if strategy == "exponential":
         tokens = exponential(min(min_tokens, limits.max_tokens), limits.max_tokens)
         batch = exponential(min_batch, max_batch)
@@ -229,7 +233,8 @@ def default_buckets(
         blocks = linear(1, block_step, limits.max_blocks)
     else:
         raise ValueError(
-            f"bucket strategy {strategy!r} is not one of 'exponential', 'linear' "
+            f"bucket strategy {strategy!r} is not one of 'prior', 'exponential', "
+            "'linear' "
             "(use 'explicit' with a file for hand-picked lists)"
         )
     return BucketSet(tokens=clip(tokens, limits.max_tokens), batch=batch, blocks=blocks)

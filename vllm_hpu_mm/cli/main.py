@@ -172,8 +172,8 @@ def add_buckets_parser(subparsers: Any) -> None:
     show = sub.add_parser(
         "show",
         help="print the default bucket sets for given limits",
-        description="Print the exponential and linear bucket sets the engine "
-        "prepares by default (and an explicit file's, with --file).",
+        description="Print the prior (default), exponential and linear bucket "
+        "sets the engine prepares (and an explicit file's, with --file).",
     )
     _add_limits(show)
     show.add_argument(
@@ -356,7 +356,11 @@ def _plan(args: argparse.Namespace) -> int:
     rows = [
         ("planned", evaluate(plan.buckets, steps, limits=limits)),
         (
-            "exponential (default)",
+            "prior (default)",
+            evaluate(_engine_default(limits, "prior"), steps, limits=limits),
+        ),
+        (
+            "exponential",
             evaluate(_engine_default(limits, "exponential"), steps, limits=limits),
         ),
     ]
@@ -442,7 +446,8 @@ def _show(args: argparse.Namespace) -> int:
     from vllm_hpu_mm.bucketing.buckets import count_graphs, explicit
 
     limits = _limits(args)
-    sets = [(s, _engine_default(limits, s)) for s in ("exponential", "linear")]
+    strategies = ("prior", "exponential", "linear")
+    sets = [(s, _engine_default(limits, s)) for s in strategies]
     if args.file is not None:
         from vllm_hpu_mm.config import ConfigError, load_explicit_buckets
 

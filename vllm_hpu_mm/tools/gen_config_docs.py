@@ -35,7 +35,7 @@ allowed, and what the key does. For example:
 
 ```
 hpu_mm.bucketing.strategy = 'expo' (from --additional-config) is not one of \
-'exponential', 'linear', 'explicit', 'off'; did you mean 'exponential'? \
+'prior', 'exponential', 'linear', 'explicit', 'off'; did you mean 'exponential'? \
 [strategy: how bucket sizes are generated]
 ```
 
@@ -143,7 +143,7 @@ From Python:
 from vllm_hpu_mm.config import HpuMMConfig
 
 cfg = HpuMMConfig.from_additional_config({"hpu_mm": {"graph_mode": "eager"}})
-cfg.bucketing.strategy        # 'exponential'
+cfg.bucketing.strategy        # 'prior'
 cfg.to_dict()                 # plain dict; from_mapping(d, source=...) rebuilds it
 ```
 """

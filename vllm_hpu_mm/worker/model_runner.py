@@ -300,8 +300,7 @@ class HpuMMModelRunner:
     def warmup(self) -> None:
         assert self.graphs is not None
         warm_up(self)
-        if self.shapes.recorder is not None:  # serving starts: record its steps
-            self.shapes.recorder.start()
+        self.shapes.start_serving()  # record and observe the served steps
 
     def get_model(self) -> torch.nn.Module:
         assert self.model is not None, "load_model() first"

@@ -31,14 +31,32 @@ def bucket_set(limits: Limits, bucketing: Any) -> BucketSet | None:
     return from_config(limits, bucketing)
 
 
-def step_recorder(path: str | None) -> StepRecorder | None:
-    """The recorder of ``bucketing.record_steps``, on the first rank only (every
-    rank of a step sees the same shape)."""
+def first_rank() -> bool:
+    """Whether this process is the first rank (every rank of a step sees the
+    same shape, so one counts it)."""
     import torch.distributed as dist
 
-    if path is None or (dist.is_initialized() and dist.get_rank() != 0):
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def step_recorder(path: str | None) -> StepRecorder | None:
+    """The recorder of ``bucketing.record_steps``, on the first rank only."""
+    if path is None or not first_rank():
         return None
     return StepRecorder(path)
+
+
+def observe_step(exact: StepShape, num_reqs: int) -> None:
+    """The served step's exact sizes into the ``step_shape`` histogram."""
+    axes = [("tokens", exact.num_tokens), ("requests", num_reqs)]
+    if exact.num_decodes:
+        axes += [("decode_rows", exact.num_decodes)]
+        axes += [("decode_blocks", exact.decode_blocks)]
+    if exact.num_prefill_tokens:
+        axes += [("prefill_tokens", exact.num_prefill_tokens)]
+        axes += [("prefill_blocks", exact.prefill_blocks)]
+    for axis, value in axes:
+        metrics.STEP_SHAPE.labels(axis=axis).observe(value)
 
 
 class ShapePolicy:
@@ -55,13 +73,24 @@ class ShapePolicy:
         self.buckets = buckets
         # The served steps' exact shapes, for the planner (bucketing.record_steps).
         self.recorder = recorder
+        # The step_shape histogram: set by ``start_serving`` on the first rank.
+        self.observing = False
         self.decode_form: DecodeForm = decode_form
         self.bucketer = (
             Bucketer(buckets, max_pad_ratio) if buckets is not None else None
         )
 
+    def start_serving(self) -> None:
+        """Warmup is over: record (``record_steps``) and observe the served
+        steps from now on."""
+        if self.recorder is not None:
+            self.recorder.start()
+        self.observing = first_rank()
+
     def __call__(self, exact: StepShape, num_reqs: int) -> tuple[StepShape, int]:
         metrics.SCHEDULED_TOKENS.inc(exact.num_tokens)
+        if self.observing:
+            observe_step(exact, num_reqs)
         if self.recorder is not None:
             self.recorder.record(
                 num_reqs,

@@ -1,0 +1,204 @@
+"""The default bucket set (strategy ``prior``, ``bucketing/prior.py``)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_hpu_mm.bucketing.buckets import (
+    Limits,
+    count_graphs,
+    default_buckets,
+    from_config,
+    step_shapes,
+)
+from vllm_hpu_mm.bucketing.planner import evaluate, simulate_steps
+from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
+from vllm_hpu_mm.bucketing.prior import ladder, prior_buckets
+from vllm_hpu_mm.config import BucketingConfig
+
+BENCH = Limits(128, 8192, 8192, 128)  # benchmarks/bucket_padding.py's limits
+QWEN_SERVE = Limits(256, 2048, 2048, 16)  # `vllm serve` of tiny Qwen2.5-VL on the CPU
+
+limits_st = st.builds(
+    Limits,
+    max_num_seqs=st.integers(1, 512),
+    max_num_batched_tokens=st.integers(16, 16384),
+    max_model_len=st.integers(16, 32768),
+    block_size=st.sampled_from([16, 128]),
+)
+
+
+def test_prior_is_the_default() -> None:
+    limits = BENCH
+    assert BucketingConfig().strategy == "prior"
+    assert from_config(limits, BucketingConfig()) == prior_buckets(limits)
+    assert from_config(limits, BucketingConfig(strategy="exponential")) == (
+        default_buckets(limits, "exponential", min_tokens=32)
+    )
+
+
+def test_ladder_spacing() -> None:
+    xs = ladder(32, 8192, 1024)
+    assert xs == (32, 128, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+    assert ladder(1, 256, 64) == (1, 4, 16, 64, 96, 128, 192, 256)
+    assert ladder(5, 5, 1) == (5,)
+    for lo, hi, fine in [(3, 1000, 100), (1, 7, 2), (16, 4096, 512)]:
+        ys = ladder(lo, hi, fine)
+        assert ys[0] == lo and ys[-1] == hi and list(ys) == sorted(set(ys))
+        # from the fine point up, each size is at most 1.5x the one below
+        # (above 2, where half an octave is a whole row)
+        above = [y for y in ys if y >= max(fine, 2)]
+        assert all(b <= 1.5 * a for a, b in itertools.pairwise(above))
+
+
+def test_bucket_counts_against_exponential() -> None:
+    """The warmup graphs (every step shape, flat decode as on Gaudi) of the two
+    reference limit sets: fewer than the exponential set's, counted here."""
+    for limits in (BENCH, QWEN_SERVE):
+        prior = prior_buckets(limits)
+        exp = default_buckets(limits, "exponential", min_tokens=32)
+        assert prior != exp  # the ladders, not the fallback to exponential
+        for form in ("flat", "batched"):
+            assert count_graphs(prior, limits, form) < count_graphs(exp, limits, form)
+    assert (
+        count_graphs(default_buckets(QWEN_SERVE, "exponential", 32), QWEN_SERVE) == 127
+    )
+    assert count_graphs(prior_buckets(QWEN_SERVE), QWEN_SERVE) == 105
+
+
+@settings(max_examples=150, deadline=None)
+@given(limits=limits_st, min_tokens=st.integers(1, 64), min_batch=st.integers(1, 8))
+def test_never_more_graphs_than_exponential(
+    limits: Limits, min_tokens: int, min_batch: int
+) -> None:
+    prior = prior_buckets(limits, min_tokens, min_batch)
+    exp = default_buckets(limits, "exponential", min_tokens, min_batch=min_batch)
+    for form in ("flat", "batched"):
+        assert count_graphs(prior, limits, form) <= count_graphs(exp, limits, form)
+
+
+@settings(max_examples=150, deadline=None)
+@given(limits=limits_st, data=st.data())
+def test_every_legal_step_fits_and_was_warmed(
+    limits: Limits, data: st.DataObject
+) -> None:
+    """No legal step takes the fallback, and its padded decode and prefill keys
+    are among the step shapes warmup compiles (flat decode: blocks are the
+    requests' summed blocks; prefill: the widest tile reads one request's
+    context plus its own rows)."""
+    buckets = prior_buckets(limits)
+    assert buckets.tokens[-1] == limits.max_tokens
+    assert buckets.batch[-1] == limits.max_num_seqs
+    assert buckets.blocks[-1] == limits.max_blocks
+    decode_keys, prefill_keys = map(set, step_shapes(buckets, limits, "flat"))
+    bucketer = Bucketer(buckets)
+    per_seq = limits.max_blocks_per_seq
+    reqs = data.draw(st.integers(1, limits.max_num_seqs))
+    decodes = data.draw(st.integers(0, min(reqs, limits.max_tokens)))
+    dec_blocks = data.draw(st.integers(decodes, decodes * per_seq)) if decodes else 0
+    room = min(limits.max_tokens - decodes, limits.max_model_len)
+    prefill = data.draw(st.integers(0, room)) if reqs > decodes and room else 0
+    tile_rows = min(prefill, 128)
+    lo = -(-tile_rows // limits.block_size)
+    hi = min(per_seq + lo, limits.max_blocks)
+    pre_blocks = data.draw(st.integers(lo, hi)) if prefill >= 2 else 0
+    step = StepSizes(
+        reqs, decodes, dec_blocks, prefill if pre_blocks else 0, pre_blocks
+    )
+    padded = bucketer.pad(step)
+    assert padded.fallbacks == ()
+    if decodes:
+        assert (padded.num_decodes, padded.decode_blocks) in decode_keys
+    if step.prefill_tokens:
+        assert (padded.prefill_tokens, padded.prefill_blocks) in prefill_keys
+
+
+def _held_out_steps(limits: Limits, seed: int) -> list[StepSizes]:
+    """A load the default was not chosen on: prompts log-uniform over
+    16..max_num_batched_tokens (the prior's are lognormal around 600), alone,
+    chunked at half the budget, and decode steps at batches skewed to the top."""
+    rng = np.random.default_rng(seed)
+    top = limits.max_tokens
+    lens = [int(x) for x in np.exp(rng.uniform(np.log(16), np.log(top), 800))]
+    steps = simulate_steps(lens, limits, max(1, top // 2), seed, ["single", "chunked"])
+    for b in np.sqrt(rng.uniform(0, 1, 800)) * limits.max_num_seqs:
+        n = max(1, int(np.ceil(b)))
+        steps.append(StepSizes(n, n, n * 4, 0, 0))
+    return steps
+
+
+def test_held_out_padding_below_exponential_and_the_ladder_bound() -> None:
+    """Token padding on the held-out load: below the exponential set's, and a
+    step above the fine points pads its token rows by at most 1.5x, so the
+    share of padding in those steps' rows is at most 1 - 1 / 1.5."""
+    for limits in (BENCH, QWEN_SERVE):
+        steps = _held_out_steps(limits, seed=2026)
+        prior = prior_buckets(limits)
+        exp = default_buckets(limits, "exponential", min_tokens=32)
+        ours, theirs = evaluate(prior, steps), evaluate(exp, steps)
+        assert ours["fallback_steps"] == theirs["fallback_steps"] == 0
+        assert ours["tokens_padding_pct"] < theirs["tokens_padding_pct"], (
+            ours,
+            theirs,
+        )
+        fine = [
+            s
+            for s in steps
+            if s.prefill_tokens >= limits.max_tokens // 8 and not s.num_decodes
+        ]
+        big = evaluate(prior, fine)
+        assert big["tokens_padding_pct"] <= 100 * (1 - 1 / 1.5)
+        bucketer = Bucketer(prior)
+        assert all(
+            bucketer.pad(s).prefill_tokens <= 1.5 * s.prefill_tokens for s in fine
+        )
+
+
+def _observed(axis: str) -> tuple[float, float]:
+    """(count, sum) of the ``step_shape`` histogram's ``axis`` in this process."""
+    from vllm_hpu_mm import metrics
+
+    count = total = 0.0
+    for family in metrics.STEP_SHAPE.collect():
+        for sample in family.samples:
+            if sample.labels.get("axis") != axis:
+                continue
+            if sample.name.endswith("_count"):
+                count = sample.value
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+    return count, total
+
+
+def test_shape_policy_observes_served_steps_only() -> None:
+    """Steps before ``start_serving`` (warmup, the memory profile) are not in
+    the histogram; served ones are, by axis, with their exact sizes."""
+    from vllm_hpu_mm.attention.metadata import StepShape
+    from vllm_hpu_mm.worker.shapes import ShapePolicy
+
+    policy = ShapePolicy(prior_buckets(BENCH))
+    axes = ("tokens", "requests", "decode_rows", "decode_blocks", "prefill_tokens")
+    start = {a: _observed(a) for a in axes}
+    mixed = StepShape(
+        num_decodes=3, decode_blocks=7, num_prefill_tokens=50, prefill_blocks=1
+    )
+    policy(mixed, 4)  # warmup
+    assert {a: _observed(a) for a in axes} == start
+    policy.start_serving()
+    padded, batch = policy(mixed, 4)
+    assert padded.num_tokens > mixed.num_tokens and batch == 4
+    policy(StepShape(2, 5, 0, 0), 2)  # decode only: no prefill axes
+
+    def added(axis: str) -> tuple[float, float]:
+        (c0, s0), (c1, s1) = start[axis], _observed(axis)
+        return c1 - c0, s1 - s0
+
+    assert added("tokens") == (2, 53 + 2)
+    assert added("requests") == (2, 6)
+    assert added("decode_rows") == (2, 5)
+    assert added("decode_blocks") == (2, 12)
+    assert added("prefill_tokens") == (1, 50)

@@ -43,6 +43,7 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.fused_ops import StepRope
 from vllm_hpu_mm.plan import ExecutionPlan
 from vllm_hpu_mm.worker.inputs import step_passes
 from vllm_hpu_mm.worker.pipeline import (
@@ -199,6 +200,8 @@ class GraphRunner:
         self.dtype = dtype
         self.mode = mode = plan.graph_mode
         self.counter = CompileCounter(backend)
+        # fused RoPE (HPU): cos/sin gathered once per body call, not per layer
+        self.rope = StepRope(model)
         self.regions = 0
         self.cache_dir: str | None = None
         opaque = attention_is_opaque(model)
@@ -271,10 +274,11 @@ class GraphRunner:
         """Token ids, or (multimodal models) merged input embeddings; a later
         pipeline stage's ``intermediate`` tensors. Hidden states, or (a stage
         before the last) the intermediate tensors for the next stage."""
-        if intermediate is None:
-            out = self._body(input_ids, positions, inputs_embeds)
-        else:
-            out = self._body(input_ids, positions, inputs_embeds, intermediate)
+        with self.rope.step(positions):
+            if intermediate is None:
+                out = self._body(input_ids, positions, inputs_embeds)
+            else:
+                out = self._body(input_ids, positions, inputs_embeds, intermediate)
         dev.mark_step()
         return out
 

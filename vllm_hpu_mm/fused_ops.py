@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -131,6 +131,10 @@ class _FusedRope:
         return rope_cos_sin(positions, cache, rope.is_neox_style, rows)
 
     def prepare_step(self, positions: torch.Tensor) -> None:
+        """Gather the step's cos/sin (``positions [T]``, or ``[3, T]`` for
+        M-RoPE); positions this module cannot take leave it to gather per call."""
+        if positions.dim() == 2 and self.mrope_rows is None:
+            return
         if self.fused_kernel is not None:
             rope: Any = self
             self.step_cos_sin = self.cos_sin(positions, rope.cos_sin_cache)
@@ -238,16 +242,19 @@ class FusedYaRNScalingRotaryEmbedding(_FusedRope, YaRNScalingRotaryEmbedding):
 
 
 class StepRope:
-    """The model's fused rotary modules (those with a kernel: HPU), whose
-    cos/sin are gathered once per step: ``with StepRope(model).step(positions)``
-    around the model's body."""
+    """The fused rotary modules (those with a kernel: HPU) of ``layers`` (the
+    decoder layers, the text model's: a vision tower's rotary module reads its
+    cache itself and is left out), whose cos/sin are gathered once per step:
+    ``with StepRope(layers).step(positions)`` around the model's body."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.modules: list[_FusedRope] = [
-            m
-            for m in model.modules()
+    def __init__(self, layers: Iterable[torch.nn.Module]) -> None:
+        found = {
+            id(m): m
+            for layer in layers
+            for m in layer.modules()
             if isinstance(m, _FusedRope) and m.fused_kernel is not None
-        ]
+        }
+        self.modules: list[_FusedRope] = list(found.values())
 
     @contextlib.contextmanager
     def step(self, positions: torch.Tensor) -> Iterator[None]:

@@ -310,7 +310,7 @@ def test_compiled_layers_take_the_steps_cos_sin_without_a_break_or_recompile(
         return model.rotary_emb(positions, q, k)
 
     compiled = torch.compile(layer, backend=backend, dynamic=False, fullgraph=True)
-    steps = StepRope(model)
+    steps = StepRope([model])
     before = compiler.Compilations.count
     positions, _, _ = _inputs("mrope", torch.float32)
     x = torch.randn(positions.shape[-1], HEAD)
@@ -327,3 +327,22 @@ def test_compiled_layers_take_the_steps_cos_sin_without_a_break_or_recompile(
     assert len(graphs) == 1 and compiler.Compilations.count == before + 1
     targets = {str(n.target) for n in graphs[0].graph.nodes}
     assert not any("index_select" in t or "gather" in t for t in targets), targets
+
+
+def test_a_plain_rope_beside_mrope_is_left_to_itself(
+    fused: None, habana: FakeHabana
+) -> None:
+    """A Qwen-VL model holds a plain rotary module besides the text model's
+    M-RoPE (the vision tower's, which reads its cache itself): a step's
+    ``[3, T]`` positions prepare the M-RoPE module only, and the plain one
+    still rotates ``[T]`` positions as vLLM does."""
+    ropes = _ropes(torch.float32)
+    mrope, plain = ropes["mrope"], ropes["llama3"]
+    steps = StepRope([torch.nn.ModuleList([mrope, plain])])
+    assert steps.modules == [mrope, plain]
+    positions, query, key = _inputs("mrope", torch.float32)
+    with steps.step(positions):
+        assert mrope.step_cos_sin is not None and plain.step_cos_sin is None
+        got = plain(positions[0], query.clone(), key.clone())
+    want = plain.forward_native(positions[0], query.clone(), key.clone())
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)

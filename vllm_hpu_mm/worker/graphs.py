@@ -201,7 +201,16 @@ class GraphRunner:
         self.mode = mode = plan.graph_mode
         self.counter = CompileCounter(backend)
         # fused RoPE (HPU): cos/sin gathered once per body call, not per layer
-        self.rope = StepRope(model)
+        layers = decoder_layers(model)
+        self.rope = StepRope(layers or [model])
+        if self.rope.modules:
+            logger.info(
+                "vllm-hpu-mm fused RoPE: cos/sin gathered once per step for %d "
+                "rotary module(s) (%s), shared by %d layers",
+                len(self.rope.modules),
+                ", ".join(sorted({type(m).__name__ for m in self.rope.modules})),
+                len(layers),
+            )
         self.regions = 0
         self.cache_dir: str | None = None
         opaque = attention_is_opaque(model)
@@ -221,7 +230,8 @@ class GraphRunner:
         if mode == "compile":
             _raise_recompile_limits()
             self.cache_dir = use_compile_cache(compile_cache_dir)
-            layers = decoder_layers(model) if regional else []
+            if not regional:
+                layers = []
             if layers:
                 compiled = torch.compile(
                     _call_layer, backend=self.counter, dynamic=self.dynamic

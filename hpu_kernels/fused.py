@@ -11,7 +11,9 @@ the real signatures.
 - ``fused_rms_norm(FusedRMSNorm, ...)``: vLLM's RMSNorm (with the fused
   residual add) through ``FusedRMSNorm.apply(x, weight, eps)``.
 - ``fused_rope(RopeKernel, ...)``: vLLM's rotary embedding (neox and GPT-J
-  styles, partial rotary dims) through ``apply_rotary_pos_emb``.
+  styles, partial rotary dims) through ``apply_rotary_pos_emb``; split in two,
+  ``rope_cos_sin`` (the gather from the cos/sin cache, M-RoPE's sections
+  included, done once per step) and ``rotate_fused`` (the kernel, per layer).
 """
 
 from __future__ import annotations
@@ -169,13 +171,59 @@ class RopeKernel:
     pairwise: Any
 
 
+def mrope_channel_rows(
+    mrope_section: list[int], interleaved: bool, half: int
+) -> list[int]:
+    """Which position row (0 = T, 1 = H, 2 = W) each of the ``half`` =
+    ``rotary_dim / 2`` frequency channels of M-RoPE reads, as vLLM's
+    ``MRotaryEmbedding.forward_native`` picks them: consecutive sections
+    (Qwen2-VL, Qwen2.5-VL: ``[t, h, w]`` channels in turn) or interleaved
+    (Qwen3-VL: ``T H W T H W ...``, H and W while their sections last, T for
+    the rest)."""
+    if sum(mrope_section) != half:
+        raise ValueError(
+            f"M-RoPE sections {mrope_section} sum to {sum(mrope_section)}, "
+            f"but rotary_dim / 2 = {half}"
+        )
+    if not interleaved:
+        return [row for row, n in enumerate(mrope_section) for _ in range(n)]
+    rows = []
+    for c in range(half):
+        if c % 3 == 1 and c < 3 * mrope_section[1]:
+            rows.append(1)
+        elif c % 3 == 2 and c < 3 * mrope_section[2]:
+            rows.append(2)
+        else:
+            rows.append(0)
+    return rows
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox_style: bool
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool,
+    mrope_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cos and sin, widened to the rotary dim as the fused kernel
     needs: ``[T, 1, rotary_dim]`` each (``cos_sin_cache [P, rotary_dim]`` holds
-    cos then sin, ``rotary_dim / 2`` each)."""
+    cos then sin, ``rotary_dim / 2`` each).
+
+    ``positions [T]``; or (M-RoPE) ``[3, T]`` with ``mrope_rows [rotary_dim / 2]``
+    (``mrope_channel_rows``): channel ``c`` of a token takes its angle from
+    position row ``mrope_rows[c]``. One gather from the cache either way; the
+    scaled variants (Llama 3, linear, NTK, YaRN) differ only in the cache.
+    """
+    tokens = positions.shape[-1]
     cos_sin = cos_sin_cache.index_select(0, positions.flatten())
+    if positions.dim() == 2:
+        if mrope_rows is None:
+            raise ValueError("M-RoPE positions [3, T] need the channel rows")
+        half = cos_sin.shape[-1] // 2
+        rows = positions.shape[0]
+        cos_sin = cos_sin.view(rows, tokens, -1)  # [3, T, rotary_dim]
+        pick = torch.cat((mrope_rows, mrope_rows))  # cos and sin channels alike
+        pick = pick.view(1, 1, 2 * half).expand(1, tokens, 2 * half)
+        cos_sin = cos_sin.gather(0, pick)[0]  # [T, rotary_dim]
     cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2]
     if is_neox_style:
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -195,14 +243,29 @@ def fused_rope(
     cos_sin_cache: torch.Tensor,
     is_neox_style: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """vLLM's ``RotaryEmbedding.forward_static`` through the fused kernel.
-
-    ``positions [T]``, ``query [T, Hq * head_size]``, ``key [T, Hkv * head_size]``
-    (or None); the first ``rotary_dim`` channels of each head rotate.
-    """
+    """vLLM's ``RotaryEmbedding.forward_static`` through the fused kernel."""
     cos, sin = rope_cos_sin(positions, cos_sin_cache, is_neox_style)
+    return rotate_fused(
+        kernel, cos, sin, query, key, head_size, rotary_dim, is_neox_style
+    )
+
+
+def rotate_fused(
+    kernel: RopeKernel,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rotation with precomputed ``cos``/``sin [T, 1, rotary_dim]``
+    (``rope_cos_sin``): ``query [T, Hq * head_size]``, ``key
+    [T, Hkv * head_size]`` (or None); the first ``rotary_dim`` channels of
+    each head rotate."""
     mode = kernel.blockwise if is_neox_style else kernel.pairwise
-    tokens = positions.numel()
+    tokens = cos.shape[0]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         heads = x.view(tokens, -1, head_size)  # [T, H, head_size]

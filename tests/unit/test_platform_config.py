@@ -88,6 +88,12 @@ def test_update_sets_defaults(device_type: str, block: int) -> None:
         "+GemmaRMSNorm",
         "+RotaryEmbedding",
         "+Llama3RotaryEmbedding",
+        "+LinearScalingRotaryEmbedding",
+        "+DynamicNTKScalingRotaryEmbedding",
+        "+DynamicNTKAlphaRotaryEmbedding",
+        "+NTKScalingRotaryEmbedding",
+        "+YaRNScalingRotaryEmbedding",
+        "+MRotaryEmbedding",
     ]
     expected_ops = ["none", *fused] if device_type == "hpu" else ["none"]
     assert cc.custom_ops == expected_ops

@@ -43,6 +43,7 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.fused_ops import StepRope
 from vllm_hpu_mm.plan import ExecutionPlan
 from vllm_hpu_mm.worker.inputs import step_passes
 from vllm_hpu_mm.worker.pipeline import (
@@ -199,6 +200,17 @@ class GraphRunner:
         self.dtype = dtype
         self.mode = mode = plan.graph_mode
         self.counter = CompileCounter(backend)
+        # fused RoPE (HPU): cos/sin gathered once per body call, not per layer
+        layers = decoder_layers(model)
+        self.rope = StepRope(layers or [model])
+        if self.rope.modules:
+            logger.info(
+                "vllm-hpu-mm fused RoPE: cos/sin gathered once per step for %d "
+                "rotary module(s) (%s), shared by %d layers",
+                len(self.rope.modules),
+                ", ".join(sorted({type(m).__name__ for m in self.rope.modules})),
+                len(layers),
+            )
         self.regions = 0
         self.cache_dir: str | None = None
         opaque = attention_is_opaque(model)
@@ -218,7 +230,8 @@ class GraphRunner:
         if mode == "compile":
             _raise_recompile_limits()
             self.cache_dir = use_compile_cache(compile_cache_dir)
-            layers = decoder_layers(model) if regional else []
+            if not regional:
+                layers = []
             if layers:
                 compiled = torch.compile(
                     _call_layer, backend=self.counter, dynamic=self.dynamic
@@ -271,10 +284,11 @@ class GraphRunner:
         """Token ids, or (multimodal models) merged input embeddings; a later
         pipeline stage's ``intermediate`` tensors. Hidden states, or (a stage
         before the last) the intermediate tensors for the next stage."""
-        if intermediate is None:
-            out = self._body(input_ids, positions, inputs_embeds)
-        else:
-            out = self._body(input_ids, positions, inputs_embeds, intermediate)
+        with self.rope.step(positions):
+            if intermediate is None:
+                out = self._body(input_ids, positions, inputs_embeds)
+            else:
+                out = self._body(input_ids, positions, inputs_embeds, intermediate)
         dev.mark_step()
         return out
 

@@ -91,6 +91,15 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__init__()
         self._tally = tally or _Tally()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile`` trace while the mode is on. Dynamo skips a
+        frame it first meets under a mode that says False here, and marks the
+        frame's code to be skipped for good (``ConvertFrameReturn``'s default
+        strategy): a layer first called inside the memory profile would then
+        run eagerly forever, and its graphs would never be built or counted."""
+        return True
+
     @property
     def live(self) -> int:
         return self._tally.live

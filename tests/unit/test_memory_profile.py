@@ -67,6 +67,32 @@ def test_tensor_meter_reports_the_transient_peak() -> None:
     assert tensor_meter(run) == 4 * 2**20
 
 
+def test_a_function_first_called_inside_the_meter_still_compiles() -> None:
+    """The profile is often the first call of a compiled layer. Dynamo skips a
+    frame it first meets under a dispatch mode that does not ignore compile
+    internals, and marks its code skipped for good: the layer would then run
+    eagerly ever after (on the simulated Gaudi no decoder layer compiled)."""
+    graphs: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ x.T) + 1.0
+
+    compiled = torch.compile(layer, backend=backend, dynamic=False)
+    x = torch.randn(8, 8)
+    torch._dynamo.reset()
+    with LiveTensorBytes() as live:
+        got = compiled(x)
+    assert live.peak > 0  # the meter saw the compiled run's allocations
+    assert len(graphs) == 1  # traced inside the profile, not skipped
+    torch.testing.assert_close(got, layer(x))
+    compiled(x)
+    assert len(graphs) == 1  # and reused after it
+
+
 # ---- the KV-cache budget ------------------------------------------------------
 
 

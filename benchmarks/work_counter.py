@@ -7,6 +7,10 @@ counting dispatch mode (``vllm_hpu_mm.bench.work``) and prints, per quantity,
 the minimum and two ratios: ``work`` (the step at its exact shape: the kernel
 form's overhead) and ``pad`` (its default exponential bucket over its exact
 shape: bucket padding); the step costs ``work x pad`` times the minimum.
+A second table counts one mixture-of-experts layer (``vllm_hpu_mm.bench.
+work_moe``: Qwen3-30B-A3B's routing, 128 experts, top-8) over such steps: its
+FLOPs and expert weight bytes against each real token through its top-k
+experts only.
 The last columns count whole-buffer copies of a layer's K or V in the graph
 AOTAutograd hands the device compiler for one layer, before that compiler's
 reinplacing: with the ``hpu_mm::write_kv`` custom op (CPU, CUDA) and with the
@@ -14,6 +18,7 @@ plain ``index_copy_`` the plugin compiles for Gaudi.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/work_counter.py           # table
     PYTHONPATH=$PWD .venv/bin/python benchmarks/work_counter.py --json    # rows
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/work_counter.py --moe-only
 
 Figures, not pass/fail; tiny-Llama sizes (2 layers, 4/2 heads of 16, bf16),
 realistic sequence lengths, block size 128: the ratios are what matter.
@@ -130,6 +135,31 @@ def _qwen_row(model_dir: str) -> dict[str, Any]:
 SDPA_OP = "aten.scaled_dot_product_attention.default"
 
 
+def moe_steps(seed: int) -> list[Any]:
+    """The MoE table's steps: the text table's decode at 32 requests and
+    mixed step, an odd decode batch and two prefills (one a power of two)."""
+    from vllm_hpu_mm.bench.work_steps import TextStep, representative_steps
+
+    steps = {s.name: s for s in representative_steps(seed)}
+    return [
+        steps["decode 32 req"],
+        TextStep("decode 20 req", (1,) * 20, steps["decode 32 req"].seq_lens[:20]),
+        TextStep("prefill 512 fresh", (512,), (512,)),
+        TextStep("prefill 700 fresh", (700,), (700,)),
+        steps["mixed 32 dec + 1024 fresh"],
+    ]
+
+
+def _fmt_moe(r: dict[str, Any]) -> str:
+    def c(k: str) -> str:
+        return f"{r[k]['work']:.2f} x {r[k]['pad']:.2f}"
+
+    return (
+        f"| {r['step']} | {r['tokens']} | {r['experts']} | {c('expert_flops')} | "
+        f"{c('expert_weight_bytes')} |"
+    )
+
+
 def _fmt_vision(r: dict[str, Any]) -> str:
     return (
         f"| {r['step']} | {r['attention_flops']['work']:.2f} x 1.00 | - | "
@@ -145,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="context lengths' seed")
     parser.add_argument(
+        "--moe-only", action="store_true", help="only the MoE layer's table"
+    )
+    parser.add_argument(
         "--qwen-model",
         default="models/tiny-qwen2_5-vl",
         help="checkpoint whose vision config builds the Qwen2.5-VL tower",
@@ -154,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     # handler; without it, its warnings reach stderr and the table stays clean
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
+    from vllm_hpu_mm.bench.work_moe import count_moe_step, moe_row
     from vllm_hpu_mm.bench.work_steps import (
         count_compiled_copies,
         count_step,
@@ -161,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     from vllm_hpu_mm.bench.work_vision import count_mllama_vision
 
+    moe = [moe_row(count_moe_step(step)) for step in moe_steps(args.seed)]
+    if args.moe_only:
+        _print_moe(moe, args.json)
+        return
     rows = []
     for step in representative_steps(args.seed):
         copies = {}
@@ -177,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(vision))
         print(json.dumps(qwen))
+        _print_moe(moe, True)
         return
     print(
         "| step | attention FLOPs | K/V bytes read | weight bytes read | "
@@ -192,6 +231,24 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {r['step']}: {r['exact']} -> {r['bucket']}, passes {r['passes']}")
     print(f"  {vision['step']}: {vision['shape']}")
     print(f"  {qwen['step']}: {qwen['shape']}")
+    print()
+    _print_moe(moe, False)
+
+
+def _print_moe(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(
+        "| MoE layer (128 experts, top-8) | tokens -> rows | experts | "
+        "expert FLOPs | expert weight bytes read |"
+    )
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(_fmt_moe(r))
+    print("\nwork x pad as above; the minimum: each real token through its top-k")
+    print("experts (FLOPs), every expert a real token routes to read once (bytes).")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,27 @@ def test_expert_tensors_in_either_layout_reach_vllm_in_the_published_one() -> No
         assert torch.equal(turned, weight)
     other = torch.randn(experts, 2 * inter, hidden)
     assert published_expert_layout("x.mlp.gate.weight", other, hidden, inter) is other
+
+
+@pytest.mark.parametrize("experts", [4, 8, 64])
+@pytest.mark.parametrize("num_tokens", [3, 17, 64])
+def test_matmul_work_grows_with_routed_tokens_not_experts(
+    experts: int, num_tokens: int
+) -> None:
+    """FLOPs are ``T * k`` rows through one expert each, whatever the number
+    of experts (a dense form: ``T * E`` rows) and however skewed the routing."""
+    gen = torch.Generator().manual_seed(experts * 100 + num_tokens)
+    w13 = torch.randn(experts, 2 * INTER, H, generator=gen)
+    w2 = torch.randn(experts, H, INTER, generator=gen)
+    x = torch.randn(num_tokens, H, generator=gen)
+    weights = torch.rand(num_tokens, K, generator=gen)
+    spread = torch.randint(0, experts, (num_tokens, K), generator=gen)
+    skewed = torch.tensor([[0, 1]] * num_tokens)  # every token on two experts
+    per_pair = 2 * (2 * INTER * H + H * INTER)
+    for ids in (spread, skewed):
+        with FlopCounterMode(display=False) as counter:
+            routed_experts_impl(x, w13, w2, weights, ids)
+        assert counter.get_total_flops() == num_tokens * K * per_pair
+    with FlopCounterMode(display=False) as dense:
+        dense_experts_reference(x, w13, w2, weights, spread)
+    assert dense.get_total_flops() >= num_tokens * experts * per_pair

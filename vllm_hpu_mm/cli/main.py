@@ -470,8 +470,10 @@ def _show(args: argparse.Namespace) -> int:
             f"{count_graphs(b, limits, 'batched')} step-shape graphs "
             f"({count_graphs(b, limits, 'flat')} with flat decode)"
         )
-        for axis in ("tokens", "batch", "blocks"):
+        for axis in ("tokens", "batch", "blocks", "prefill_blocks"):
             values = getattr(b, axis)
+            if axis == "prefill_blocks" and values == b.blocks:
+                continue  # one block list for both parts
             print(f"  {axis} ({len(values)}): {_abbreviate(values)}")
     return 0
 

@@ -47,8 +47,8 @@ from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
 __all__ = [
     "DEFAULT_BLOCK_BUDGET",
     "MAX_DISTINCT",
-    "AxisSamples",
     "WORKLOADS",
+    "AxisSamples",
     "Plan",
     "axis_padding",
     "evaluate",

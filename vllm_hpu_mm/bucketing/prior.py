@@ -114,7 +114,9 @@ def ladder(
     return tuple(sorted(out))
 
 
-def prefill_block_axis(limits: Limits, sizes: int = PREFILL_BLOCK_SIZES) -> tuple[int, ...]:
+def prefill_block_axis(
+    limits: Limits, sizes: int = PREFILL_BLOCK_SIZES
+) -> tuple[int, ...]:
     """``sizes`` block sizes log-spaced from 1 to the reach R of a prefill tile
     (``buckets.prefill_blocks_reach``), then doubling from R up to
     ``max_blocks`` (sizes above R are not warmed: ``step_shapes`` stops at R).

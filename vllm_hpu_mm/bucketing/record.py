@@ -23,6 +23,20 @@ from typing import IO
 
 logger = logging.getLogger("vllm.hpu_mm.record")
 
+STEP_SHAPE_EDGES: tuple[float, ...] = tuple(
+    float(v)
+    for v in sorted(
+        set(range(1, 17))
+        | {(16 + i) << e for e in range(14) for i in range(16)}
+        | {1 << 18}
+    )
+)
+"""Edges of the ``step_shape`` histogram on ``/metrics`` (``vllm_hpu_mm.
+metrics.STEP_SHAPE``), the other export of the served shapes: every size up to
+16, then 16 an octave (multiples of ``2**e / 16`` in ``[2**e, 2**(e+1))``) up to
+``2**18``, 240 edges. Fine enough to plan from (``bucketing.scrape``): a size
+is known to within 1/16 of itself."""
+
 
 class StepRecorder:
     """Appends step shapes to a JSONL file once ``start`` is called."""

@@ -71,31 +71,35 @@ def test_bucket_counts_against_exponential() -> None:
     assert (
         count_graphs(default_buckets(QWEN_SERVE, "exponential", 32), QWEN_SERVE) == 127
     )
-    assert count_graphs(prior_buckets(QWEN_SERVE), QWEN_SERVE) == 103
+    assert count_graphs(prior_buckets(QWEN_SERVE), QWEN_SERVE) == 120
     assert count_graphs(default_buckets(BENCH, "exponential", 32), BENCH) == 136
     assert count_graphs(prior_buckets(BENCH), BENCH) == 118
 
 
 def test_prefill_has_its_own_short_block_axis() -> None:
-    """Prefill pads its blocks to 1, the geometric middle and a tile's reach
-    (the doubling above is never warmed), decode to the decode ladder; every
-    prefill token size costs three graphs, not one per decode block size."""
+    """Prefill pads its blocks to a quarter, five eighths and all of a tile's
+    reach (the doubling above is never warmed), decode to the decode ladder;
+    every prefill token size costs three graphs, not one per decode block size."""
     prior = prior_buckets(BENCH)
     reach = prefill_blocks_reach(BENCH)
     assert reach == 64 + 1 + 1  # a full request, the tile's own block, one more
-    assert prior.prefill_blocks[:3] == (1, 8, reach)
+    assert prior.prefill_blocks[:3] == (16, 41, reach)
     assert prior.prefill_blocks[-1] == BENCH.max_blocks
     assert prior.blocks == (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    assert prefill_block_axis(QWEN_SERVE)[:3] == (1, 12, 128 + 8 + 1)
-    _, prefill = step_shapes(prior, BENCH, "flat")
-    per_size: dict[int, set[int]] = {}
-    for t, n in prefill:
-        per_size.setdefault(t, set()).add(n)
-    assert set(per_size) == set(prior.tokens)
-    assert all(sizes == {1, 8, reach} for sizes in per_size.values())
+    assert prefill_block_axis(QWEN_SERVE)[:3] == (34, 85, 128 + 8 + 1)
+    for limits in (BENCH, QWEN_SERVE):
+        b = prior_buckets(limits)
+        _, prefill = step_shapes(b, limits, "flat")
+        per_size: dict[int, set[int]] = {}
+        for t, n in prefill:
+            per_size.setdefault(t, set()).add(n)
+        assert set(per_size) == set(b.tokens)
+        assert all(sizes == set(b.prefill_blocks[:3]) for sizes in per_size.values())
     # The padder uses the prefill axis for the prefill part only.
     p = Bucketer(prior).pad(StepSizes(3, 2, 20, 300, 20))
-    assert (p.decode_blocks, p.prefill_blocks) == (32, 66)
+    assert (p.decode_blocks, p.prefill_blocks) == (32, 41)
+    p = Bucketer(prior).pad(StepSizes(1, 0, 0, 40, 1))
+    assert p.prefill_blocks == 16
 
 
 def test_token_axis_takes_quarter_octaves_where_they_fit() -> None:

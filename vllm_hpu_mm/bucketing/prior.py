@@ -14,8 +14,8 @@ size. Prefill and decode read very different block counts (a prefill tile reads
 at most one request's context plus its own rows, ``buckets.
 prefill_blocks_reach``; a flat decode reads all its requests' blocks), so they
 get separate block axes, and the prefill one is short (three sizes up to that
-reach), which leaves room for quarter octaves on the token axis within the
-graphs of ``exponential``.
+reach, none below a quarter of it), which leaves room for quarter octaves on the
+token axis within the graphs of ``exponential``.
 
 Derived from the limits alone (each axis ends at its limit, so no legal step
 takes the fallback). Never more warmup graphs than ``exponential``, with either
@@ -33,7 +33,7 @@ sizes; not guarded.)
   up to ``max_num_seqs``;
 - blocks (decode): from 1, x4 up to ``max_blocks_per_seq / 2``, then doubling
   up to ``max_blocks`` (all requests at full length);
-- prefill blocks: 1, the geometric middle and the reach R of a tile
+- prefill blocks: R/4, 5R/8 and the reach R of a tile
   (``prefill_blocks_reach``), then doubling from R up to ``max_blocks``.
 
 The workload prior. The breakpoints, spacings and the prefill block axis were
@@ -45,7 +45,8 @@ limit sets (max_num_seqs / max_num_batched_tokens / max_model_len / block size:
 128/8192/8192/128, 256/2048/2048/16, 64/4096/4096/128, 32/2048/4096/128). Among
 ladders of that form (token breakpoint 1/4 to 1/16; quarter, eighth or half
 octaves above it with the coarser ones as fallbacks; batch half or quarter
-octaves; 2 to 5 log-spaced prefill block sizes up to R) with no more warmup
+octaves; 2 to 5 log-spaced prefill block sizes from 1 to R, or R and one or
+two sizes from R/32 to 3R/4, in eighths and sixteenths) with no more warmup
 graphs than ``exponential`` at each limit set (both decode forms), this one has
 the least ``token padding + (batch padding + block padding) / 4`` summed over
 them: a padded token row runs the whole model, a padded logits row only the
@@ -75,8 +76,9 @@ BATCH_FINE_FROM = 4
 """Batch sizes are half octaves from ``max_num_seqs / 4`` up."""
 BLOCKS_FINE_FROM = 2
 """Decode block sizes double from ``max_blocks_per_seq / 2`` up."""
-PREFILL_BLOCK_SIZES = 3
-"""Prefill block sizes up to a tile's reach: 1, the geometric middle, the reach."""
+PREFILL_BLOCK_EIGHTHS = (2, 5)
+"""Prefill block sizes below a tile's reach R, in eighths of R: R/4, 5R/8 (and
+R itself)."""
 COARSE = 4
 """Ratio between consecutive sizes below those points."""
 
@@ -115,18 +117,19 @@ def ladder(
 
 
 def prefill_block_axis(
-    limits: Limits, sizes: int = PREFILL_BLOCK_SIZES
+    limits: Limits, eighths: tuple[int, ...] = PREFILL_BLOCK_EIGHTHS
 ) -> tuple[int, ...]:
-    """``sizes`` block sizes log-spaced from 1 to the reach R of a prefill tile
-    (``buckets.prefill_blocks_reach``), then doubling from R up to
-    ``max_blocks`` (sizes above R are not warmed: ``step_shapes`` stops at R).
+    """Block sizes of the prefill part: ``eighths`` of the reach R of a prefill
+    tile (``buckets.prefill_blocks_reach``), R itself, then doubling from R up
+    to ``max_blocks`` (sizes above R are not warmed: ``step_shapes`` stops at
+    R). No size below R/4: a tile that reads fewer blocks pads to R/4, cheap
+    next to the rows it serves, and each size here costs a graph per token size.
 
     >>> prefill_block_axis(Limits(128, 8192, 8192, 128))
-    (1, 8, 66, 132, 264, 528, 1056, 2112, 4224, 8192)
+    (16, 41, 66, 132, 264, 528, 1056, 2112, 4224, 8192)
     """
     reach, top = prefill_blocks_reach(limits), limits.max_blocks
-    out = {1, reach, top}
-    out |= {round(reach ** (i / (sizes - 1))) for i in range(1, sizes - 1)}
+    out = {reach, top} | {max(1, reach * e // 8) for e in eighths}
     v = 2 * reach
     while v < top:
         out.add(v)

@@ -3,6 +3,7 @@ server's ``/metrics`` (the ``vllm_hpu_mm:step_shape`` histogram)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ def _scrape_of(steps: list, tmp_path: Path) -> Path:
 def test_edges_are_exact_to_16_then_within_a_sixteenth() -> None:
     edges = [int(e) for e in STEP_SHAPE_EDGES]
     assert edges[:16] == list(range(1, 17)) and edges[-1] == 1 << 18
-    assert all(b - a <= max(1, a / 16) for a, b in zip(edges, edges[1:], strict=False))
+    assert all(b - a <= max(1, a / 16) for a, b in itertools.pairwise(edges))
 
 
 def test_plan_from_the_scrape_pads_close_to_the_plan_from_the_steps(

@@ -8,7 +8,10 @@ keys ``vllm-hpu-mm buckets plan --samples FILE`` reads::
      "prefill_blocks": 4}
 
 so an operator fits the buckets to live traffic: serve with the defaults and
-``record_steps``, plan from the file, restart with ``strategy: explicit``.
+``record_steps``, plan from the file, restart with ``strategy: explicit``. The
+other export, the ``step_shape`` histogram on ``/metrics`` (edges below), needs
+no setting: ``vllm-hpu-mm buckets plan --metrics SCRAPE`` plans from a saved
+scrape (``bucketing.scrape``).
 Warmup and the memory profile are not recorded (the recorder starts when warmup
 ends). The file is line-buffered: each step's line is written when the step
 runs (a write of about 100 bytes against a step of milliseconds).

@@ -126,7 +126,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -162,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         help="workloads to run (default: all four)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON, not markdown")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = run(args)
     if args.json:
         json.dump(rows, sys.stdout, indent=2)

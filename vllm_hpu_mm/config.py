@@ -271,8 +271,9 @@ class BucketingConfig(_Section):
 
     strategy: Literal["prior", "exponential", "linear", "explicit", "off"] = "prior"
     """How bucket sizes are generated. Inputs are padded up to a bucket, so only a known
-    set of shapes gets compiled. `prior`: half octaves (1, 1.5, 2, 3, 4, 6, ...) in the
-    top of each axis and 4x steps below, derived from the engine's limits
+    set of shapes gets compiled. `prior`: quarter (or half) octaves in the top of the
+    token axis, half octaves in the top of the batch axis, 4x steps below, and a short
+    block axis of its own for prefill, derived from the engine's limits
     (`vllm_hpu_mm/bucketing/prior.py` says how it was chosen); it pads fewer rows than
     `exponential` with fewer warmup graphs. `exponential`: powers of two from the
     minimum sizes.

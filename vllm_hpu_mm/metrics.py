@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from vllm_hpu_mm.bucketing.record import STEP_SHAPE_EDGES
+
 PREFIX = "vllm_hpu_mm:"
 
 GRAPH_COMPILES = Counter(
@@ -39,15 +41,17 @@ FALLBACK_BUCKETS = Counter(
     PREFIX + "fallback_buckets",
     "Steps whose shape fitted no prepared bucket and took the fallback size.",
 )
-STEP_SIZE_EDGES = tuple(m * 2.0**e for e in range(18) for m in (1.0, 1.5))
-"""Histogram edges of ``STEP_SHAPE``: half octaves 1, 1.5, 2, 3, 4, 6, ... up to
-3 * 2**17 (an axis value above the last lands in ``+Inf``)."""
+STEP_SIZE_EDGES = STEP_SHAPE_EDGES
+"""Histogram edges of ``STEP_SHAPE``: every size up to 16, then 16 an octave up to
+2**18 (an axis value above the last lands in ``+Inf``), fine enough for
+``vllm-hpu-mm buckets plan --metrics`` to plan from."""
 STEP_SHAPE = Histogram(
     PREFIX + "step_shape",
     "Exact (unpadded) sizes of the served steps, by axis (first rank; warmup and "
     "the memory profile not counted): tokens (decode rows + prefill tokens), "
     "requests, decode_rows, decode_blocks (steps with decodes), prefill_tokens, "
-    "prefill_blocks (steps with a prefill). The traffic to fit buckets to.",
+    "prefill_blocks (steps with a prefill). The traffic to fit buckets to "
+    "(vllm-hpu-mm buckets plan --metrics).",
     ["axis"],
     buckets=STEP_SIZE_EDGES,
 )

@@ -19,6 +19,7 @@ import pytest
 import requests
 
 from tests.hf_reference import hf_greedy, load_hf_tokenizer
+from vllm_hpu_mm.bucketing.record import STEP_SHAPE_EDGES
 
 pytestmark = pytest.mark.e2e
 
@@ -418,7 +419,31 @@ def test_step_shape_histogram_counts_served_steps(server: Server) -> None:
         if key.startswith(hist + "_bucket{") and 'axis="tokens"' in key:
             le = key.split('le="', 1)[1].split('"', 1)[0]
             cumulative[float(le)] = value
-    assert len(cumulative) == 37  # 36 half-octave edges and +Inf
+    assert len(cumulative) == len(STEP_SHAPE_EDGES) + 1  # and +Inf
     counts = [cumulative[le] for le in sorted(cumulative)]
     assert counts == sorted(counts)
     assert counts[-1] == after[hist + '_count{axis="tokens"}']
+
+
+def test_buckets_plan_reads_the_served_metrics(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Buckets from live traffic: ``vllm-hpu-mm buckets plan --metrics`` plans
+    from a saved scrape of this server's /metrics, every served step counted,
+    and writes a bucket file the config loads."""
+    from vllm_hpu_mm.cli.main import main
+    from vllm_hpu_mm.config import load_explicit_buckets
+
+    _completion(server, [5, 9, 14, 20, 27, 35, 44])
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    steps = _metric_values(server)['vllm_hpu_mm:step_shape_count{axis="requests"}']
+    scrape = tmp_path / "metrics.txt"
+    scrape.write_text(text)
+    out = tmp_path / "buckets.yaml"
+    limits = ["--max-num-seqs", "8", "--max-model-len", "512", "--block-size", "16"]
+    limits += ["--max-num-batched-tokens", "512"]
+    argv = ["buckets", "plan", "--metrics", str(scrape), *limits, "--out", str(out)]
+    assert main(argv) == 0
+    assert f"Sample: {int(steps)} steps" in capsys.readouterr().out
+    lists = load_explicit_buckets(out)
+    assert lists.decode_batch[-1] == 8 and lists.prefill_tokens[-1] == 512

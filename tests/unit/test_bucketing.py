@@ -174,9 +174,11 @@ def test_default_sets_are_within_and_closed_at_the_limits(
     assert b.tokens[-1] == limits.max_tokens
     assert b.batch[-1] == limits.max_num_seqs
     assert b.blocks[-1] == limits.max_blocks
+    assert b.prefill_blocks[-1] == limits.max_blocks
     assert all(0 < v <= limits.max_tokens for v in b.tokens)
     assert all(0 < v <= limits.max_num_seqs for v in b.batch)
     assert all(0 < v <= limits.max_blocks for v in b.blocks)
+    assert all(0 < v <= limits.max_blocks for v in b.prefill_blocks)
     assert b.num_graphs == len(b.tokens) + len(b.batch)
     for form in ("flat", "batched"):
         decode, prefill = step_shapes(b, limits, form)
@@ -184,7 +186,7 @@ def test_default_sets_are_within_and_closed_at_the_limits(
             b.batch
         )
         assert all(r in b.batch and n in b.blocks for r, n in decode)
-        assert all(t in b.tokens and n in b.blocks for t, n in prefill)
+        assert all(t in b.tokens and n in b.prefill_blocks for t, n in prefill)
         # Opaque attention: one shape per distinct token count of the step keys.
         dec1, pre1 = token_shapes(decode, prefill)
         rows = [r for r, _ in dec1] + [t for t, _ in pre1]
@@ -210,7 +212,7 @@ def test_legal_step_takes_the_smallest_fitting_bucket_and_no_fallback(
     assert_covers(s, p)
     assert_smallest(s.num_reqs, p.batch, b.batch)
     assert_smallest(s.decode_blocks, p.decode_blocks, b.blocks)
-    assert_smallest(s.prefill_blocks, p.prefill_blocks, b.blocks)
+    assert_smallest(s.prefill_blocks, p.prefill_blocks, b.prefill_blocks)
     # The decode part pads to a batch bucket, the prefill part to a token
     # bucket, each on its own (a mixed step runs as two passes).
     assert_smallest(s.num_decodes, p.num_decodes, b.batch)
@@ -295,15 +297,21 @@ def test_fallback_size_honours_max_pad_ratio(
     tokens=axis_st(),
     batch=axis_st(),
     blocks=axis_st(),
+    prefill_blocks=st.one_of(st.just(()), axis_st()),
     s=any_step_st(),
 )
 def test_bucketer_pads_every_step_to_a_fit_and_bounds_each_fallback(
     tokens: tuple[int, ...],
     batch: tuple[int, ...],
     blocks: tuple[int, ...],
+    prefill_blocks: tuple[int, ...],
     s: StepSizes,
 ) -> None:
-    b = BucketSet(tokens, batch, blocks)
+    """Each axis pads its own sizes: the prefill blocks to ``prefill_blocks``
+    when the set has them (the default set does), else to ``blocks``."""
+    b = BucketSet(tokens, batch, blocks, prefill_blocks)
+    pre = prefill_blocks or blocks
+    assert b.prefill_blocks == pre
     bucketer = Bucketer(b)
     logger = logging.getLogger(LOGGER)
     logger.disabled = True  # warnings have their own tests
@@ -326,7 +334,7 @@ def test_bucketer_pads_every_step_to_a_fit_and_bounds_each_fallback(
 
     check(s.num_reqs, p.batch, batch, "batch")
     check(s.decode_blocks, p.decode_blocks, blocks, "blocks")
-    check(s.prefill_blocks, p.prefill_blocks, blocks, "blocks")
+    check(s.prefill_blocks, p.prefill_blocks, pre, "prefill_blocks")
     check(s.num_decodes, p.num_decodes, batch, "batch")
     check(s.prefill_tokens, p.prefill_tokens, tokens, "tokens")
 
@@ -407,7 +415,7 @@ def test_fallback_warns_once_per_axis_and_size_and_counts_steps(
     )
     # batch 5 > 4 -> 8; tokens 101 > 100 -> 128; prefill blocks 9 > 8 -> 16
     assert p.batch == 8 and p.tokens == 128 and p.prefill_blocks == 16
-    assert p.fallbacks == ("batch", "tokens", "blocks")
+    assert p.fallbacks == ("batch", "tokens", "prefill_blocks")
     assert bucketer.fallback_count == 4  # one step, however many axes
     assert len(bucket_log.records) == 3
     # The same sizes again: counted, not warned.

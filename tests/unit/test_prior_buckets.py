@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from hypothesis import given, settings
@@ -13,11 +16,12 @@ from vllm_hpu_mm.bucketing.buckets import (
     count_graphs,
     default_buckets,
     from_config,
+    prefill_blocks_reach,
     step_shapes,
 )
 from vllm_hpu_mm.bucketing.planner import evaluate, simulate_steps
 from vllm_hpu_mm.bucketing.policy import Bucketer, StepSizes
-from vllm_hpu_mm.bucketing.prior import ladder, prior_buckets
+from vllm_hpu_mm.bucketing.prior import ladder, prefill_block_axis, prior_buckets
 from vllm_hpu_mm.config import BucketingConfig
 
 BENCH = Limits(128, 8192, 8192, 128)  # benchmarks/bucket_padding.py's limits
@@ -67,7 +71,75 @@ def test_bucket_counts_against_exponential() -> None:
     assert (
         count_graphs(default_buckets(QWEN_SERVE, "exponential", 32), QWEN_SERVE) == 127
     )
-    assert count_graphs(prior_buckets(QWEN_SERVE), QWEN_SERVE) == 105
+    assert count_graphs(prior_buckets(QWEN_SERVE), QWEN_SERVE) == 120
+    assert count_graphs(default_buckets(BENCH, "exponential", 32), BENCH) == 136
+    assert count_graphs(prior_buckets(BENCH), BENCH) == 118
+
+
+def test_prefill_has_its_own_short_block_axis() -> None:
+    """Prefill pads its blocks to a quarter, five eighths and all of a tile's
+    reach (the doubling above is never warmed), decode to the decode ladder;
+    every prefill token size costs three graphs, not one per decode block size."""
+    prior = prior_buckets(BENCH)
+    reach = prefill_blocks_reach(BENCH)
+    assert reach == 64 + 1 + 1  # a full request, the tile's own block, one more
+    assert prior.prefill_blocks[:3] == (16, 41, reach)
+    assert prior.prefill_blocks[-1] == BENCH.max_blocks
+    assert prior.blocks == (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert prefill_block_axis(QWEN_SERVE)[:3] == (34, 85, 128 + 8 + 1)
+    for limits in (BENCH, QWEN_SERVE):
+        b = prior_buckets(limits)
+        _, prefill = step_shapes(b, limits, "flat")
+        per_size: dict[int, set[int]] = {}
+        for t, n in prefill:
+            per_size.setdefault(t, set()).add(n)
+        assert set(per_size) == set(b.tokens)
+        assert all(sizes == set(b.prefill_blocks[:3]) for sizes in per_size.values())
+    # The padder uses the prefill axis for the prefill part only.
+    p = Bucketer(prior).pad(StepSizes(3, 2, 20, 300, 20))
+    assert (p.decode_blocks, p.prefill_blocks) == (32, 41)
+    p = Bucketer(prior).pad(StepSizes(1, 0, 0, 40, 1))
+    assert p.prefill_blocks == 16
+
+
+def test_token_axis_takes_quarter_octaves_where_they_fit() -> None:
+    """Above max_num_batched_tokens / 16 the token sizes are quarter octaves at
+    both reference limit sets (each at most 1.25x the one below), half octaves
+    where quarters would warm more graphs than exponential."""
+    for limits in (BENCH, QWEN_SERVE):
+        tokens = prior_buckets(limits).tokens
+        top = [t for t in tokens if t >= limits.max_tokens // 16]
+        assert all(b <= 1.25 * a for a, b in itertools.pairwise(top))
+        assert len(top) == 4 * 4 + 1  # four octaves, four sizes each, and the top
+    # 32/2048/4096/128: quarter octaves would compile more than exponential.
+    small = Limits(32, 2048, 4096, 128)
+    quarter = ladder(32, 2048, 2048 // 16, per_octave=4)
+    assert prior_buckets(small).tokens == ladder(32, 2048, 2048 // 16, per_octave=2)
+    assert prior_buckets(small).tokens != quarter
+
+
+def _bucket_padding_benchmark() -> Any:
+    path = Path(__file__).parents[2] / "benchmarks" / "bucket_padding.py"
+    spec = importlib.util.spec_from_file_location("bucket_padding", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bimodal_default_padding_under_ten_percent() -> None:
+    """Issue 29 item 5's target on the benchmark's held-out bimodal load at its
+    limits: the default pads under 10 % of token rows (exponential: 18.4 %),
+    no step takes the fallback, with fewer warmup graphs than exponential."""
+    bench = _bucket_padding_benchmark()
+    rows = bench.run(
+        bench.build_parser().parse_args(["--workloads", "bimodal", "--budgets", "16"])
+    )
+    by = {r["buckets"]: r for r in rows}
+    prior, exp = by["prior"], by["exponential"]
+    assert prior["tokens_padding_pct"] < 10.0 < exp["tokens_padding_pct"]
+    assert prior["fallback_steps"] == 0
+    assert prior["step_graphs_flat"] < exp["step_graphs_flat"]
 
 
 @settings(max_examples=150, deadline=None)

@@ -4,9 +4,11 @@ A step is padded along three axes, each with its own sorted list of sizes:
 
 - ``tokens``: the step's prefill token rows (flat).
 - ``batch``: requests in the step (rows of logits) and decode rows.
-- ``blocks``: KV-cache blocks read by attention (the decode rows' flat block
-  list, or their block-table width; the context blocks of the widest prefill
-  tile).
+- ``blocks``: KV-cache blocks read by decode attention (the decode rows' flat
+  block list, or their block-table width);
+- ``prefill_blocks``: context blocks of the widest prefill tile. Unless given,
+  the ``blocks`` list: a bucket file has one block list for both; the default
+  set (``prior``) gives prefill its own, short one.
 
 Attention runs inside the compiled body, so a graph is keyed by the whole step
 shape. A step runs as a decode part ``(batch, blocks)`` and a prefill part
@@ -56,14 +58,22 @@ class Limits:
         return self.max_num_seqs * self.max_blocks_per_seq
 
 
+PREFILL_TILE = 128
+"""Query rows of a prefill tile (``attention.layout.PREFILL_TILE``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BucketSet:
     tokens: tuple[int, ...]
     batch: tuple[int, ...]
     blocks: tuple[int, ...]
+    prefill_blocks: tuple[int, ...] = ()
+    """Block sizes of the prefill part; empty (the default) means ``blocks``."""
 
     def __post_init__(self) -> None:
-        for axis in ("tokens", "batch", "blocks"):
+        if not self.prefill_blocks:
+            object.__setattr__(self, "prefill_blocks", self.blocks)
+        for axis in ("tokens", "batch", "blocks", "prefill_blocks"):
             values = getattr(self, axis)
             if not values:
                 raise ValueError(f"bucket axis {axis!r} is empty")
@@ -95,7 +105,7 @@ def step_shapes(
     buckets: BucketSet,
     limits: Limits,
     decode_form: str = "flat",
-    prefill_tile: int = 128,
+    prefill_tile: int = PREFILL_TILE,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Every graph key serving can produce: (decode rows, decode blocks) and
     (prefill tokens, prefill blocks), as the Bucketer pads real steps.
@@ -107,8 +117,9 @@ def step_shapes(
     than the bucket below it (and at least 2); its widest tile (``min(tile, T)``
     rows) reads at least its rows' blocks and, by this enumeration, at most one
     full-length request plus the tile's own rows. A step above that (several
-    long prefix-cache hits in one tile) takes the block fallback (warned,
-    counted).
+    long prefix-cache hits in one tile) pads to a size not warmed (or, above
+    the axis, takes the fallback: warned, counted). Decode keys take their
+    blocks from ``blocks``, prefill keys from ``prefill_blocks``.
     """
     bs, per_seq = limits.block_size, limits.max_blocks_per_seq
     blocks = buckets.blocks
@@ -122,15 +133,25 @@ def step_shapes(
             lo, hi = blocks[0], _fit_or_top(per_seq, blocks)
         decode += [(b, n) for n in blocks if lo <= n <= hi]
     prefill: list[tuple[int, int]] = []
+    pre = buckets.prefill_blocks
     for t in buckets.tokens:
         rows = max(_prev(buckets.tokens, t) + 1, 2)
         if rows > t:
             continue  # no prefill part lands here (1 token is a decode row)
         tq = min(prefill_tile, t)
-        lo = _fit_or_top(-(-min(rows, tq) // bs), blocks)
-        hi = _fit_or_top(min(per_seq + -(-tq // bs) + 1, limits.max_blocks), blocks)
-        prefill += [(t, n) for n in blocks if lo <= n <= hi]
+        lo = _fit_or_top(-(-min(rows, tq) // bs), pre)
+        hi = _fit_or_top(prefill_blocks_reach(limits, tq), pre)
+        prefill += [(t, n) for n in pre if lo <= n <= hi]
     return decode, prefill
+
+
+def prefill_blocks_reach(limits: Limits, tile_rows: int = PREFILL_TILE) -> int:
+    """Most context blocks a prefill tile of ``tile_rows`` rows reads in
+    ``step_shapes``' enumeration: one full-length request plus the tile's own
+    rows (and one block of misalignment), at most ``max_blocks``."""
+    rows = min(tile_rows, limits.max_tokens)
+    reach = limits.max_blocks_per_seq + -(-rows // limits.block_size) + 1
+    return min(reach, limits.max_blocks)
 
 
 def token_shapes(
@@ -157,7 +178,7 @@ def count_graphs(
     buckets: BucketSet,
     limits: Limits,
     decode_form: str = "flat",
-    prefill_tile: int = 128,
+    prefill_tile: int = PREFILL_TILE,
     opaque_attention: bool = False,
     symbolic_tokens: bool = False,
 ) -> int:

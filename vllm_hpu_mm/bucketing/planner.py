@@ -48,12 +48,14 @@ __all__ = [
     "DEFAULT_BLOCK_BUDGET",
     "MAX_DISTINCT",
     "WORKLOADS",
+    "AxisSamples",
     "Plan",
     "axis_padding",
     "evaluate",
     "plan_axis",
     "plan_buckets",
     "plan_buckets_detailed",
+    "plan_buckets_from_axes",
     "prompt_lengths",
     "simulate_steps",
 ]
@@ -100,6 +102,7 @@ def plan_axis(
     *,
     fixed: Iterable[int] = (),
     max_distinct: int = MAX_DISTINCT,
+    weights: Sequence[int] | None = None,
 ) -> tuple[int, ...]:
     """At most ``max_buckets`` sorted edges minimising ``sum(bucket(v) - v)``.
 
@@ -117,6 +120,9 @@ def plan_axis(
     edges off that grid, the result is within ``(q - 1) * len(values)`` rows
     of the optimum.
 
+    weights: how many times each value occurred (default: once each), so a
+    histogram plans like the list it counts.
+
     Among plans of equal padding, the one with fewest edges is returned.
     """
     if max_buckets < 1:
@@ -124,9 +130,17 @@ def plan_axis(
     if top is not None and top <= 0:
         raise ValueError(f"top must be a positive int, got {top}")
     arr = np.asarray([int(v) for v in values], dtype=np.int64)
-    arr = arr[arr > 0]
+    wts = (
+        np.ones(arr.size, np.int64)
+        if weights is None
+        else np.asarray([int(w) for w in weights], dtype=np.int64)
+    )
+    if wts.shape != arr.shape or (wts < 0).any():
+        raise ValueError("weights must be one non-negative count per value")
+    keep = (arr > 0) & (wts > 0)
     if top is not None:
-        arr = arr[arr <= top]
+        keep &= arr <= top
+    arr, wts = arr[keep], wts[keep]
     forced = {int(f) for f in fixed if int(f) > 0 and (top is None or f <= top)}
     if top is not None:
         forced.add(top)
@@ -141,7 +155,8 @@ def plan_axis(
             f"{max_buckets}"
         )
 
-    distinct, counts = np.unique(arr, return_counts=True)
+    distinct, where = np.unique(arr, return_inverse=True)
+    counts = np.bincount(where.ravel(), weights=wts, minlength=distinct.size)
     cand = np.union1d(distinct, np.fromiter(forced, np.int64))
     n = cand.size
     # Index 0 is a virtual edge at 0; candidates are 1..n.
@@ -209,9 +224,58 @@ def _fit(value: int, edges: Sequence[int]) -> int:
     return fit if fit is not None else fallback_size(value, edges)
 
 
-def _prefill_values(samples: Sequence[StepSizes]) -> list[int]:
-    """Prefill rows each step asks the token axis for."""
-    return [s.prefill_tokens for s in samples if s.prefill_tokens]
+@dataclass(frozen=True, slots=True)
+class AxisSamples:
+    """Sampled sizes per axis, each as (size, count) pairs: what the planner
+    reads. From steps (``from_steps``) or from the ``step_shape`` histogram of
+    ``/metrics``, which counts each axis on its own (``bucketing.scrape``).
+
+    requests: requests per step (logits rows); decode_rows: decode rows of steps
+    with decodes; prefill_tokens: prefill rows of steps with a prefill;
+    decode_blocks, prefill_blocks: their blocks.
+    """
+
+    requests: tuple[tuple[int, int], ...]
+    decode_rows: tuple[tuple[int, int], ...]
+    prefill_tokens: tuple[tuple[int, int], ...]
+    decode_blocks: tuple[tuple[int, int], ...]
+    prefill_blocks: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def counted(values: Iterable[int]) -> tuple[tuple[int, int], ...]:
+        """(size, count) of the positive values."""
+        arr = np.asarray([int(v) for v in values], dtype=np.int64)
+        sizes, counts = np.unique(arr[arr > 0], return_counts=True)
+        return tuple((int(v), int(c)) for v, c in zip(sizes, counts, strict=True))
+
+    @classmethod
+    def from_steps(cls, samples: Sequence[StepSizes]) -> AxisSamples:
+        """The axes of every step, as the ``step_shape`` histogram counts them
+        (blocks only of the steps with that part)."""
+        return cls(
+            requests=cls.counted(s.num_reqs for s in samples),
+            decode_rows=cls.counted(s.num_decodes for s in samples),
+            prefill_tokens=cls.counted(s.prefill_tokens for s in samples),
+            decode_blocks=cls.counted(
+                s.decode_blocks for s in samples if s.num_decodes
+            ),
+            prefill_blocks=cls.counted(
+                s.prefill_blocks for s in samples if s.prefill_tokens
+            ),
+        )
+
+    @property
+    def steps(self) -> int:
+        """Steps counted (each has a ``requests`` size)."""
+        return sum(c for _, c in self.requests)
+
+
+def _values(pairs: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [v for v, _ in pairs], [c for _, c in pairs]
+
+
+def _padding(pairs: Sequence[tuple[int, int]], edges: Sequence[int]) -> int:
+    return sum(c * (_fit(v, edges) - v) for v, c in pairs)
 
 
 def plan_buckets_detailed(
@@ -242,6 +306,48 @@ def plan_buckets_detailed(
     """
     if not samples:
         raise ValueError("plan_buckets needs at least one sampled step")
+    legal = [
+        s
+        for s in samples
+        if 0 < s.num_reqs <= limits.max_num_seqs and s.tokens <= limits.max_tokens
+    ]
+    score = AxisSamples(
+        requests=AxisSamples.counted(s.num_reqs for s in legal),
+        decode_rows=AxisSamples.counted(s.num_decodes for s in legal),
+        prefill_tokens=AxisSamples.counted(s.prefill_tokens for s in legal),
+        decode_blocks=(),
+        prefill_blocks=(),
+    )
+    return plan_buckets_from_axes(
+        AxisSamples.from_steps(samples),
+        limits,
+        graph_budget,
+        block_budget=block_budget,
+        batch_weight=batch_weight,
+        step_graph_budget=step_graph_budget,
+        decode_form=decode_form,
+        score=score,
+    )
+
+
+def plan_buckets_from_axes(
+    axes: AxisSamples,
+    limits: Limits,
+    graph_budget: int,
+    *,
+    block_budget: int = DEFAULT_BLOCK_BUDGET,
+    batch_weight: float = 1.0,
+    step_graph_budget: int | None = None,
+    decode_form: str = "flat",
+    score: AxisSamples | None = None,
+) -> Plan:
+    """``plan_buckets_detailed`` from per-axis counts (a ``/metrics``
+    histogram): the same search, since every term of its score is a sum over
+    one axis. score: the sizes the split is scored on (default: ``axes``'
+    within the limits).
+    """
+    if not axes.requests:
+        raise ValueError("plan_buckets needs at least one sampled step")
     seqs, max_tokens = limits.max_num_seqs, limits.max_tokens
     least = 2  # batch {max_num_seqs}, tokens {max_num_batched_tokens}
     if graph_budget < least:
@@ -249,42 +355,53 @@ def plan_buckets_detailed(
             f"graph_budget={graph_budget} is below the least that covers the limits: "
             f"{least} (batch bucket {seqs} + token bucket {max_tokens})"
         )
-    batch_values = [s.num_reqs for s in samples]
-    batch_values += [s.num_decodes for s in samples if s.num_decodes]
-    legal = [s for s in samples if 0 < s.num_reqs <= seqs and s.tokens <= max_tokens]
-    bat_rows = max(1, sum(s.num_reqs for s in legal))
-    tok_rows = max(1, sum(s.tokens for s in legal))
-    prefill_values = _prefill_values(samples)
+    if score is None:
+        score = AxisSamples(
+            requests=tuple((v, c) for v, c in axes.requests if v <= seqs),
+            decode_rows=tuple((v, c) for v, c in axes.decode_rows if v <= seqs),
+            prefill_tokens=tuple(
+                (v, c) for v, c in axes.prefill_tokens if v <= max_tokens
+            ),
+            decode_blocks=(),
+            prefill_blocks=(),
+        )
+    batch_values, batch_weights = _values(axes.requests + axes.decode_rows)
+    prefill_values, prefill_weights = _values(axes.prefill_tokens)
+    bat_rows = max(1, sum(v * c for v, c in score.requests))
+    tok_rows = max(1, sum(v * c for v, c in score.decode_rows + score.prefill_tokens))
 
     best: tuple[float, tuple[int, ...], tuple[int, ...], int, int] | None = None
     tried = 0
     for kb in range(1, graph_budget):
-        batch = plan_axis(batch_values, kb, top=seqs)
+        batch = plan_axis(batch_values, kb, top=seqs, weights=batch_weights)
         if kb > len(batch):
             break  # the batch axis needs no more edges
-        tokens = plan_axis(prefill_values, graph_budget - len(batch), top=max_tokens)
-        tried += 1
-        tok_pad = sum(
-            _fit(s.num_decodes, batch)
-            - s.num_decodes
-            + _fit(s.prefill_tokens, tokens)
-            - s.prefill_tokens
-            for s in legal
+        tokens = plan_axis(
+            prefill_values,
+            graph_budget - len(batch),
+            top=max_tokens,
+            weights=prefill_weights,
         )
-        bat_pad = sum(_fit(s.num_reqs, batch) - s.num_reqs for s in legal)
-        score = tok_pad / tok_rows + batch_weight * bat_pad / bat_rows
-        if best is None or score < best[0]:
-            best = (score, tokens, batch, tok_pad, bat_pad)
+        tried += 1
+        tok_pad = _padding(score.decode_rows, batch) + _padding(
+            score.prefill_tokens, tokens
+        )
+        bat_pad = _padding(score.requests, batch)
+        split = tok_pad / tok_rows + batch_weight * bat_pad / bat_rows
+        if best is None or split < best[0]:
+            best = (split, tokens, batch, tok_pad, bat_pad)
     assert best is not None  # kb = 1 always fits the budget checked above
     _, tokens, batch, tok_pad, bat_pad = best
-    block_values = [s.decode_blocks for s in samples if s.num_decodes]
-    block_values += [s.prefill_blocks for s in samples if s.prefill_tokens]
-    blocks = plan_axis(block_values, block_budget, top=limits.max_blocks)
+    block_pairs = axes.decode_blocks + axes.prefill_blocks
+    block_values, block_weights = _values(block_pairs)
+    blocks = plan_axis(
+        block_values, block_budget, top=limits.max_blocks, weights=block_weights
+    )
     blocks = tuple(sorted({*blocks, *_doubling_tail(blocks, limits.max_blocks)}))
     buckets = explicit(limits, tokens, batch, blocks)
     if step_graph_budget is not None:
         buckets = _fit_step_graphs(
-            buckets, limits, block_values, step_graph_budget, decode_form
+            buckets, limits, block_pairs, step_graph_budget, decode_form
         )
     return Plan(buckets, len(buckets.batch), tok_pad, bat_pad, tried)
 
@@ -292,18 +409,18 @@ def plan_buckets_detailed(
 def _fit_step_graphs(
     buckets: BucketSet,
     limits: Limits,
-    block_values: Sequence[int],
+    block_pairs: Sequence[tuple[int, int]],
     budget: int,
     decode_form: str,
 ) -> BucketSet:
     """Drop block edges (never the top one), least used by the sample first,
-    until ``count_graphs`` fits ``budget``."""
+    until ``count_graphs`` fits ``budget``. block_pairs: (size, count)."""
     blocks = list(buckets.blocks)
     uses = {e: 0 for e in blocks}
-    for v in block_values:
+    for v, c in block_pairs:
         fit = smallest_fit(v, blocks)
         if fit is not None:
-            uses[fit] += 1
+            uses[fit] += c
     while True:
         current = BucketSet(buckets.tokens, buckets.batch, tuple(blocks))
         graphs = count_graphs(current, limits, decode_form)

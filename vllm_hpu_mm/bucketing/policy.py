@@ -8,7 +8,9 @@ mixed step as two passes), each with its own graph key. Rules:
 - decode blocks (flat list length, or block-table width) = smallest block
   bucket;
 - prefill rows = smallest token bucket >= prefill tokens (0 if none);
-- prefill blocks (context blocks of the widest tile) = smallest block bucket;
+- prefill blocks (context blocks of the widest tile) = smallest prefill block
+  bucket (``BucketSet.prefill_blocks``: the block buckets unless the set has
+  its own for prefill);
 - logits rows: smallest batch bucket >= requests.
 
 A size above every bucket of its axis takes the fallback: padded to a bounded
@@ -93,7 +95,7 @@ class Bucketer:
         decodes = self._fit("batch", s.num_decodes, used)
         dec_blocks = self._fit("blocks", s.decode_blocks, used)
         prefill_tokens = self._fit("tokens", s.prefill_tokens, used)
-        prefill_blocks = self._fit("blocks", s.prefill_blocks, used)
+        prefill_blocks = self._fit("prefill_blocks", s.prefill_blocks, used)
         if used:
             self.fallback_count += 1
         return PaddedSizes(

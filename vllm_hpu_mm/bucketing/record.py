@@ -8,7 +8,10 @@ keys ``vllm-hpu-mm buckets plan --samples FILE`` reads::
      "prefill_blocks": 4}
 
 so an operator fits the buckets to live traffic: serve with the defaults and
-``record_steps``, plan from the file, restart with ``strategy: explicit``.
+``record_steps``, plan from the file, restart with ``strategy: explicit``. The
+other export, the ``step_shape`` histogram on ``/metrics`` (edges below), needs
+no setting: ``vllm-hpu-mm buckets plan --metrics SCRAPE`` plans from a saved
+scrape (``bucketing.scrape``).
 Warmup and the memory profile are not recorded (the recorder starts when warmup
 ends). The file is line-buffered: each step's line is written when the step
 runs (a write of about 100 bytes against a step of milliseconds).
@@ -22,6 +25,20 @@ from pathlib import Path
 from typing import IO
 
 logger = logging.getLogger("vllm.hpu_mm.record")
+
+STEP_SHAPE_EDGES: tuple[float, ...] = tuple(
+    float(v)
+    for v in sorted(
+        set(range(1, 17))
+        | {(16 + i) << e for e in range(14) for i in range(16)}
+        | {1 << 18}
+    )
+)
+"""Edges of the ``step_shape`` histogram on ``/metrics`` (``vllm_hpu_mm.
+metrics.STEP_SHAPE``), the other export of the served shapes: every size up to
+16, then 16 an octave (multiples of ``2**e / 16`` in ``[2**e, 2**(e+1))``) up to
+``2**18``, 240 edges. Fine enough to plan from (``bucketing.scrape``): a size
+is known to within 1/16 of itself."""
 
 
 class StepRecorder:

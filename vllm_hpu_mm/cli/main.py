@@ -106,6 +106,13 @@ def add_buckets_parser(subparsers: Any) -> None:
         "lengths (simulated like --synthetic)",
     )
     source.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="FILE",
+        help="a saved scrape of the server's /metrics (curl http://HOST:PORT/metrics "
+        "> FILE): plans from its vllm_hpu_mm:step_shape histogram",
+    )
+    source.add_argument(
         "--synthetic",
         type=_positive,
         metavar="N",
@@ -323,6 +330,8 @@ def _plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.metrics is not None:
+        return _plan_from_metrics(args, limits)
     try:
         if args.synthetic is not None:
             lens = prompt_lengths(args.synthetic, args.seed)
@@ -376,6 +385,98 @@ def _plan(args: argparse.Namespace) -> int:
     print(_table(rows))
     print(f"\nWrote {args.out}")
     return 0
+
+
+def _plan_from_metrics(args: argparse.Namespace, limits: Any) -> int:
+    """``buckets plan --metrics``: the histogram counts each axis on its own, so
+    padding is reported per axis (no per-step fallback count)."""
+    from vllm_hpu_mm.bucketing.planner import plan_buckets_from_axes
+    from vllm_hpu_mm.bucketing.scrape import read_step_shape_metrics
+
+    try:
+        scrape = read_step_shape_metrics(
+            args.metrics.read_text(encoding="utf-8"), str(args.metrics)
+        )
+        axes = scrape.axes()
+        plan = plan_buckets_from_axes(
+            axes,
+            limits,
+            args.graph_budget,
+            block_budget=args.block_budget,
+            batch_weight=args.batch_weight,
+            step_graph_budget=args.step_graph_budget,
+            decode_form=args.decode_form,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"vllm-hpu-mm: {exc}", file=sys.stderr)
+        return 1
+    about = f"the step_shape histogram of {args.metrics}"
+    if scrape.above:
+        about += ", sizes above its edges not planned: " + ", ".join(
+            f"{axis} {n}" for axis, n in sorted(scrape.above.items())
+        )
+    rows = [
+        ("planned", _evaluate_axes(plan.buckets, axes, limits)),
+        (
+            "prior (default)",
+            _evaluate_axes(_engine_default(limits, "prior"), axes, limits),
+        ),
+        (
+            "exponential",
+            _evaluate_axes(_engine_default(limits, "exponential"), axes, limits),
+        ),
+    ]
+    command = "vllm-hpu-mm " + shlex.join(args.argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        _bucket_yaml(
+            plan.buckets, limits, command, about, scrape.steps, rows, args.out.name
+        ),
+        encoding="utf-8",
+    )
+    print(f"Sample: {scrape.steps} steps ({about})")
+    print(_table(rows))
+    print(f"\nWrote {args.out}")
+    return 0
+
+
+def _evaluate_axes(buckets: Any, axes: Any, limits: Any) -> dict[str, Any]:
+    """``planner.evaluate``'s figures from per-axis counts (each size padded on
+    its own axis; ``fallback_steps``: sizes above their axis)."""
+    from vllm_hpu_mm.bucketing.buckets import count_graphs, fallback_size, smallest_fit
+
+    def pad(
+        pairs: Sequence[tuple[int, int]], edges: Sequence[int]
+    ) -> tuple[int, int, int]:
+        real = padded = above = 0
+        for v, c in pairs:
+            fit = smallest_fit(v, edges)
+            if fit is None:
+                fit, above = fallback_size(v, edges), above + c
+            real, padded = real + v * c, padded + fit * c
+        return real, padded, above
+
+    parts = {
+        "tokens": [
+            pad(axes.decode_rows, buckets.batch),
+            pad(axes.prefill_tokens, buckets.tokens),
+        ],
+        "batch": [pad(axes.requests, buckets.batch)],
+        "blocks": [
+            pad(axes.decode_blocks, buckets.blocks),
+            pad(axes.prefill_blocks, buckets.prefill_blocks),
+        ],
+    }
+    out: dict[str, Any] = {
+        "graphs": buckets.num_graphs,
+        "step_graphs": count_graphs(buckets, limits, "batched"),
+        "step_graphs_flat": count_graphs(buckets, limits, "flat"),
+        "fallback_steps": sum(a for p in parts.values() for _, _, a in p),
+    }
+    for axis, p in parts.items():
+        real, padded = sum(r for r, _, _ in p), sum(q for _, q, _ in p)
+        out[f"{axis}_padding_pct"] = 0.0 if padded == 0 else 100.0 * (1 - real / padded)
+    return out
 
 
 def _bucket_yaml(
@@ -470,8 +571,10 @@ def _show(args: argparse.Namespace) -> int:
             f"{count_graphs(b, limits, 'batched')} step-shape graphs "
             f"({count_graphs(b, limits, 'flat')} with flat decode)"
         )
-        for axis in ("tokens", "batch", "blocks"):
+        for axis in ("tokens", "batch", "blocks", "prefill_blocks"):
             values = getattr(b, axis)
+            if axis == "prefill_blocks" and values == b.blocks:
+                continue  # one block list for both parts
             print(f"  {axis} ({len(values)}): {_abbreviate(values)}")
     return 0
 

@@ -227,7 +227,7 @@ def largest_shape(runner: HpuMMModelRunner) -> ProfileShape:
     num_tokens = buckets.tokens[-1] if buckets else sc.max_num_batched_tokens
     blocks = _context_blocks(num_tokens, max_len, runner.block_size)
     if buckets is not None:
-        blocks = smallest_fit(blocks, buckets.blocks) or blocks
+        blocks = smallest_fit(blocks, buckets.prefill_blocks) or blocks
     encoder_items = 0
     if runner.mm is not None:
         encoder_items = runner.mm.encoder.item_buckets[-1]

@@ -21,7 +21,13 @@ same offsets (``segment_bias``); on Gaudi the SDPA is FusedSDPA, handed in by
 
 Cost: the masked form computes the whole ``N x N`` square where per-segment
 attention computes ``sum(len_i ** 2)``; only a variable-length kernel reaches
-that minimum with static shapes.
+that minimum. Where every segment is known to hold at most ``W`` patches
+(Qwen2.5-VL's window layers: a window is at most ``(window_size /
+patch_size) ** 2`` patches), the banded form cuts the square into query tiles
+of ``T`` rows, each against the ``T + 2 (W - 1)`` keys around it (a segment
+of at most ``W`` rows that touches the tile lies inside them): ``N x (T + 2W
+- 2)`` instead of ``N x N``, still one batched SDPA with static shapes
+(``band_bias``, ``banded_attention``).
 """
 
 from __future__ import annotations
@@ -60,6 +66,72 @@ def segment_bias(cu_seqlens: torch.Tensor, n: int, dtype: torch.dtype) -> torch.
     keep = segment_mask(cu_seqlens, n)
     bias = torch.zeros((n, n), dtype=dtype, device=cu_seqlens.device)
     return bias.masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def band_keys(n: int, tile: int, halo: int, device: torch.device) -> torch.Tensor:
+    """[NT, tile + 2 * halo] indices into the keys padded by ``halo`` rows in
+    front and up to ``NT * tile + halo`` behind (``NT = ceil(n / tile)``):
+    the keys of query tile ``i`` are padded rows ``[i * tile, i * tile + tile
+    + 2 * halo)``, i.e. real keys ``[i * tile - halo, (i + 1) * tile + halo)``."""
+    tiles = -(-n // tile)
+    starts = torch.arange(tiles, device=device, dtype=torch.int64) * tile
+    return starts[:, None] + torch.arange(
+        tile + 2 * halo, device=device, dtype=torch.int64
+    )
+
+
+def band_bias(
+    cu_seqlens: torch.Tensor, n: int, tile: int, window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[NT, tile, tile + 2 (window - 1)] additive mask of the banded form: row
+    ``r`` of tile ``i`` (position ``i * tile + r``) against the keys around the
+    tile (``band_keys``), 0 where they share a segment. Valid when every
+    segment of ``cu_seqlens`` holds at most ``window`` positions; positions
+    past ``n`` (the last tile's padding) and before 0 form segments that no
+    real row shares (padding rows see their own column, so stay finite)."""
+    halo = window - 1
+    tiles = -(-n // tile)
+    ids = segment_ids(cu_seqlens, n)
+    rows = tiles * tile
+    # padding positions: a segment id no real position has
+    pad_id = torch.full((rows + 2 * halo,), -1, dtype=ids.dtype, device=ids.device)
+    key_ids = pad_id.slice_scatter(ids, dim=0, start=halo, end=halo + n)
+    query_ids = key_ids[halo : halo + rows].view(tiles, tile)
+    keys = key_ids[band_keys(n, tile, halo, ids.device)]
+    keep = query_ids[:, :, None] == keys[:, None, :]
+    bias = torch.zeros(keep.shape, dtype=dtype, device=ids.device)
+    return bias.masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def banded_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    sdpa: SdpaFn,
+) -> torch.Tensor:
+    """``encoder_attention`` in the banded form: ``bias`` from ``band_bias``
+    ([NT, T, T + 2 * halo]); query tiles of T rows attend their band of keys,
+    one batched SDPA of ``[B * NT, H, T, D]``. [B, N, H, D] in and out."""
+    b, n, hq, d = query.shape
+    tiles, tile, width = bias.shape
+    halo = (width - tile) // 2
+    rows = tiles * tile
+    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - n))
+    q = q.view(b * tiles, tile, hq, d).transpose(1, 2)
+    index = band_keys(n, tile, halo, query.device).flatten()
+
+    def band(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.nn.functional.pad(t, (0, 0, 0, 0, halo, rows - n + halo))
+        out = padded.index_select(1, index).view(b * tiles, width, *t.shape[2:])
+        return out.transpose(1, 2)
+
+    k, v = band(key), band(value)
+    mask = bias.to(q.dtype)[:, None].repeat(b, 1, 1, 1)  # [B * NT, 1, T, W']
+    out = sdpa(q, k, v, mask, False, scale, q.shape[1] != k.shape[1])
+    out = out.transpose(1, 2).reshape(b, rows, hq, d)
+    return out[:, :n]
 
 
 def encoder_attention(

@@ -14,6 +14,8 @@ import torch
 from vllm.model_executor.custom_op import op_registry_oot
 
 from hpu_kernels.encoder_attention import (
+    band_bias,
+    banded_attention,
     encoder_attention,
     reference_attention,
     segment_bias,
@@ -39,6 +41,7 @@ LAYOUTS = {
     "empty": [0, 8, 8, 24, 32, 32, 32],
     "padding": [0, 12, 20],
     "windows": [0, 4, 8, 12, 16, 18, 20, 24, 28, 32],
+    "windows2": [0, 3, 7, 8, 12, 14, 18, 22, 26, 29, 32],
 }
 
 
@@ -112,6 +115,61 @@ def test_fused_sdpa_with_the_mask_matches_float64_in_bf16(
     want = reference_attention(q, k, v, cu, HEAD**-0.5)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=0, atol=3 * 2**-7)
+
+
+WINDOW = 8  # the most rows a window holds in the banded tests
+
+
+def _windows(n: int, seed: int) -> torch.Tensor:
+    """Offsets of random windows of 1..WINDOW rows covering ``n`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    while bounds[-1] < n:
+        step = int(torch.randint(1, WINDOW + 1, (1,), generator=g))
+        bounds.append(min(n, bounds[-1] + step))
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("n", "tile", "seed"), [(45, WINDOW, 0), (48, WINDOW, 1), (45, 4, 2), (5, 8, 3)]
+)
+def test_banded_attention_matches_per_window_float64(
+    n: int, tile: int, seed: int
+) -> None:
+    """Query tiles against the keys around them: the per-window answer when
+    no window exceeds WINDOW rows, whether or not ``n`` fills the last tile
+    (45) and whatever the tile (4, 8, wider than the sequence)."""
+    q, k, v = _qkv(n, seed=seed)
+    cu = _windows(n, seed)
+    bias = band_bias(cu, n, tile, WINDOW, torch.float32)
+    tiles = -(-n // tile)
+    assert bias.shape == (tiles, tile, tile + 2 * (WINDOW - 1))
+    got = banded_attention(q, k, v, bias, HEAD**-0.5, sdpa_native)
+    want = reference_attention(q, k, v, cu, HEAD**-0.5)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_banded_rows_past_the_last_offset_form_one_window() -> None:
+    n = 20
+    cu = torch.tensor([0, 5, 8, 14], dtype=torch.int32)  # rows 14..19: padding
+    q, k, v = _qkv(n)
+    bias = band_bias(cu, n, WINDOW, WINDOW, torch.float32)
+    got = banded_attention(q, k, v, bias, HEAD**-0.5, sdpa_native)
+    torch.testing.assert_close(
+        got.double(), reference_attention(q, k, v, cu, HEAD**-0.5), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_window_patches_of_a_qwen_tower() -> None:
+    from types import SimpleNamespace
+
+    from vllm_hpu_mm.attention.encoder import window_patches
+
+    # released Qwen2.5-VL: 112 px windows of 14 px patches, merged 2x2
+    tower = SimpleNamespace(window_size=112, patch_size=14, spatial_merge_size=2)
+    assert window_patches(tower) == 64
+    assert window_patches(SimpleNamespace(patch_size=14)) is None
 
 
 def _layer(monkeypatch: pytest.MonkeyPatch, execution: str) -> Any:
@@ -229,14 +287,16 @@ def test_two_layouts_at_one_padded_size_compile_once(
         return lookup_backend(device.compile_backend())(gm, example_inputs)
 
     def tower(q: Any, k: Any, v: Any, metadata: dict[str, Any]) -> torch.Tensor:
-        metadata = attach_step_masks(metadata, q.shape[1], q.dtype)
+        metadata = attach_step_masks(metadata, q.shape[1], q.dtype, window=4)
+        assert metadata["cu_window_seqlens"].dim() == 3  # the banded form
         x = layer(q, k, v, cu_seqlens=metadata["cu_window_seqlens"])
         return layer(x, k, v, cu_seqlens=metadata["cu_seqlens"])
 
     compiled = torch.compile(tower, backend=backend, dynamic=False, fullgraph=True)
     before = compiler.Compilations.count
     q, k, v = _qkv()
-    for full, window in (("mixed", "windows"), ("empty", "padding")):
+    # windows of at most 4 rows: the window layer runs the banded form
+    for full, window in (("mixed", "windows"), ("empty", "windows2")):
         metadata = {"cu_seqlens": _offsets(full), "cu_window_seqlens": _offsets(window)}
         # same padded length of the offsets lists: pad with the last offset
         for key, value in metadata.items():

@@ -13,10 +13,12 @@ layer is built (under the engine's vLLM config).
 
 The mask of a step is built once and shared: the patch-bucket encoder
 (``worker.vision_buckets``) calls ``attach_step_masks`` on the tower's
-metadata, which puts the additive ``[N, N]`` mask in place of each offsets
-tensor (``cu_seqlens``; Qwen2.5-VL's window layers: ``cu_window_seqlens``).
-The tower hands that tensor to every layer of its kind unchanged, and the
-layer takes a 2-D ``cu_seqlens`` as the step's mask. A tower called with
+metadata, which puts the additive mask in place of each offsets tensor
+(``cu_seqlens``; Qwen2.5-VL's window layers: ``cu_window_seqlens``, whose
+windows are small, in the banded form: query tiles against the keys around
+them). The tower hands that tensor to every layer of its kind unchanged, and
+the layer takes a 2-D ``cu_seqlens`` as the step's square mask, a 3-D one as
+its banded mask. A tower called with
 plain offsets (a single image above the largest bucket, run unpadded) gets
 its mask built from them in each layer.
 """
@@ -32,13 +34,20 @@ from vllm.model_executor.layers.attention.mm_encoder_attention import (
     MMEncoderAttention,
 )
 
-from hpu_kernels.encoder_attention import encoder_attention, segment_bias
+from hpu_kernels.encoder_attention import (
+    band_bias,
+    banded_attention,
+    encoder_attention,
+    segment_bias,
+)
 from vllm_hpu_mm import device as dev
 
 logger = logging.getLogger("vllm.hpu_mm.encoder_attention")
 
-# Offsets in a tower's encoder metadata that ``attach_step_masks`` replaces.
+# Offsets in a tower's encoder metadata that ``attach_step_masks`` replaces,
+# and the one whose segments are windows of a known largest size.
 SEGMENT_KEYS = ("cu_seqlens", "cu_window_seqlens")
+WINDOW_KEY = "cu_window_seqlens"
 
 # FusedSDPA's exact softmax, as the official plugin calls it for vision towers
 # (its default ``softmax_mode``).
@@ -77,13 +86,16 @@ class HpuMMEncoderAttention(MMEncoderAttention):
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
         """One masked SDPA over the whole sequence. ``cu_seqlens``: segment
-        offsets ([S + 1]), the step's additive mask ([N, N], from
-        ``attach_step_masks``), or None (one segment). Inputs
-        ``[B, N, H * D]`` or ``[B, N, H, D]``; the output has the input's
-        layout."""
+        offsets ([S + 1]); a mask of the step from ``attach_step_masks``, the
+        whole square's ([N, N]) or the banded form's ([NT, T, T + 2 halo]);
+        or None (one segment). Inputs ``[B, N, H * D]`` or ``[B, N, H, D]``;
+        the output has the input's layout."""
         bsz, n = query.shape[:2]
         flat = query.dim() != 4
         q, k, v = self.view_qkv_to_4d(query, key, value, bsz, n, key.shape[1])
+        if cu_seqlens is not None and cu_seqlens.dim() == 3:
+            out = banded_attention(q, k, v, cu_seqlens, self.scale, self.sdpa)
+            return out.reshape(bsz, n, -1) if flat else out
         if cu_seqlens is None or cu_seqlens.dim() == 2:
             bias = cu_seqlens
         else:
@@ -99,16 +111,41 @@ def uses_static_attention(tower: torch.nn.Module) -> bool:
     )
 
 
+def window_patches(tower: Any) -> int | None:
+    """The most patches a window of ``tower`` holds (Qwen2.5-VL's window
+    layers: ``window_size / patch_size`` patches a side, clipped at an
+    image's edge, never larger), or None for a tower without windows."""
+    size = getattr(tower, "window_size", None)
+    patch = getattr(tower, "patch_size", None)
+    merge = getattr(tower, "spatial_merge_size", None)
+    if not (
+        isinstance(size, int) and isinstance(patch, int) and isinstance(merge, int)
+    ):
+        return None
+    units = size // merge // patch  # merged units a window's side
+    return units * units * merge * merge if units > 0 else None
+
+
 def attach_step_masks(
-    metadata: dict[str, Any], num_patches: int, dtype: torch.dtype
+    metadata: dict[str, Any],
+    num_patches: int,
+    dtype: torch.dtype,
+    window: int | None = None,
 ) -> dict[str, Any]:
     """``metadata`` with each segment-offsets tensor replaced by the step's
-    additive ``[num_patches, num_patches]`` mask, built once here for every
-    layer that reads it."""
+    additive mask, built once here for every layer that reads it: the whole
+    ``[N, N]`` square, or for the window offsets when every window holds at
+    most ``window`` patches and the band is narrower than the square, the
+    banded form (tiles of ``window`` rows against ``3 * window - 2`` keys;
+    ``hpu_kernels.encoder_attention.band_bias``)."""
     out = dict(metadata)
     for name in SEGMENT_KEYS:
         offsets = out.get(name)
-        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1:
+        if not (isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
+            continue
+        if name == WINDOW_KEY and window is not None and 3 * window < num_patches:
+            out[name] = band_bias(offsets, num_patches, window, window, dtype)
+        else:
             out[name] = segment_bias(offsets, num_patches, dtype)
     return out
 

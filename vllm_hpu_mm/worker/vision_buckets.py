@@ -39,7 +39,11 @@ from typing import Any
 import torch
 
 from vllm_hpu_mm import metrics
-from vllm_hpu_mm.attention.encoder import attach_step_masks, uses_static_attention
+from vllm_hpu_mm.attention.encoder import (
+    attach_step_masks,
+    uses_static_attention,
+    window_patches,
+)
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 
 logger = logging.getLogger("vllm.hpu_mm.vision")
@@ -127,6 +131,7 @@ class PatchBucketEncoder:
         # are built once, inside the tower's graph, for all layers.
         self.step_masks = uses_static_attention(self.visual)
         self.mask_dtype = next(self.visual.parameters()).dtype
+        self.window = window_patches(self.visual)
         self._tower: Callable[..., torch.Tensor] = self._run_tower
         if compile_backend is not None:
             self._tower = torch.compile(
@@ -140,7 +145,9 @@ class PatchBucketEncoder:
 
     def _run_tower(self, x: torch.Tensor, metadata: dict[str, Any]) -> torch.Tensor:
         if self.step_masks:
-            metadata = attach_step_masks(metadata, x.shape[0], self.mask_dtype)
+            metadata = attach_step_masks(
+                metadata, x.shape[0], self.mask_dtype, self.window
+            )
         return self.visual(x, None, encoder_metadata=metadata)
 
     def _metadata(self, grids: list[list[int]], bucket: int) -> dict[str, Any]:

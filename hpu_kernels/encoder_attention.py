@@ -146,8 +146,8 @@ def encoder_attention(
     [B, N, Hkv, D] under the additive ``bias`` ([N, N], or None: every row
     sees every key), one ``sdpa`` call; returns [B, N, Hq, D]."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if bias is not None:
-        bias = bias.to(q.dtype)
+    if bias is not None:  # [1, 1, N, N]: FusedSDPA's 4-D mask, broadcast
+        bias = bias.to(q.dtype).view(1, 1, *bias.shape[-2:])
     out = sdpa(q, k, v, bias, False, scale, q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 

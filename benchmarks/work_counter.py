@@ -102,13 +102,15 @@ QWEN_GRIDS = ([1, 32, 32], [1, 46, 58], [1, 16, 24], [1, 74, 56])
 1036x784 px at 14 px patches)."""
 
 
-def _qwen_row(model_dir: str, static: bool) -> dict[str, Any]:
+def _qwen_row(model_dir: str, static: bool, released_depth: bool) -> dict[str, Any]:
     """The Qwen2.5-VL vision step with vLLM's encoder attention (one SDPA per
     segment, the dynamic plan off Gaudi) or the static plan's (one masked
     SDPA a layer)."""
     from vllm_hpu_mm.bench.work_qwen import build_tower, count_qwen_vision
 
-    tower, cfg, vc = build_tower(model_dir, static=static)
+    tower, cfg, vc = build_tower(
+        model_dir, static=static, released_depth=released_depth
+    )
     q = count_qwen_vision(tower, cfg, vc, [list(g) for g in QWEN_GRIDS])
     c = q.counts
     sdpa = sum(v for k, v in c.calls.items() if k == "attention:" + SDPA_OP)
@@ -160,6 +162,12 @@ def main(argv: list[str] | None = None) -> None:
         default="models/tiny-qwen2_5-vl",
         help="checkpoint whose vision config builds the Qwen2.5-VL tower",
     )
+    parser.add_argument(
+        "--qwen-released-depth",
+        action="store_true",
+        help="the Qwen2.5-VL tower at the released depth (32 layers, 4 full "
+        "attention) instead of the checkpoint's",
+    )
     args = parser.parse_args(argv)
     # vLLM's log lines (building the Qwen tower) go to stdout with its own
     # handler; without it, its warnings reach stderr and the table stays clean
@@ -183,7 +191,10 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     vision = _vision_row(count_mllama_vision(list(MLLAMA_TILES)))
     rows.append(vision)
-    qwens = [_qwen_row(args.qwen_model, static) for static in (False, True)]
+    qwens = [
+        _qwen_row(args.qwen_model, static, args.qwen_released_depth)
+        for static in (False, True)
+    ]
     rows += qwens
     if args.json:
         print(json.dumps(vision))

@@ -57,14 +57,24 @@ def qwen_segments(
     return [h * w] * t, windows * t
 
 
+RELEASED_DEPTH = 32
+RELEASED_FULL_LAYERS = [7, 15, 23, 31]
+"""Released Qwen2.5-VL's tower: 32 layers, four of them full attention."""
+
+
 def build_tower(
-    model_dir: str, dtype: torch.dtype = torch.bfloat16, static: bool = False
+    model_dir: str,
+    dtype: torch.dtype = torch.bfloat16,
+    static: bool = False,
+    released_depth: bool = False,
 ) -> Any:
     """vLLM's Qwen2.5-VL vision tower for ``model_dir``'s config, windows of
     ``WINDOW_PATCHES`` patches, seeded random weights (the process gets a
     one-rank gloo group if it has none); ``static``: built under the static
     plan with the plugin's encoder attention registered (as the worker
-    does), else under the dynamic plan (vLLM's form)."""
+    does), else under the dynamic plan (vLLM's form); ``released_depth``:
+    the released tower's layers (``RELEASED_DEPTH``, full attention at
+    ``RELEASED_FULL_LAYERS``) at the checkpoint's widths."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         init_distributed_environment,
@@ -89,6 +99,9 @@ def build_tower(
 
     cfg = vc.model_config.hf_config.vision_config
     cfg.window_size = WINDOW_PATCHES * cfg.patch_size
+    if released_depth:
+        cfg.depth = RELEASED_DEPTH
+        cfg.fullatt_block_indexes = list(RELEASED_FULL_LAYERS)
     with set_current_vllm_config(vc):
         if not torch.distributed.is_initialized():
             with socket.socket() as s:

@@ -130,7 +130,9 @@ class PatchBucketEncoder:
         # read by the layers when built): each step's block-diagonal masks
         # are built once, inside the tower's graph, for all layers.
         self.step_masks = uses_static_attention(self.visual)
-        self.mask_dtype = next(self.visual.parameters()).dtype
+        self.mask_dtype = next(
+            (p.dtype for p in self.visual.parameters()), torch.get_default_dtype()
+        )
         self.window = window_patches(self.visual)
         self._tower: Callable[..., torch.Tensor] = self._run_tower
         if compile_backend is not None:

@@ -114,7 +114,7 @@ def _qwen_row(model_dir: str, static: bool, released_depth: bool) -> dict[str, A
     q = count_qwen_vision(tower, cfg, vc, [list(g) for g in QWEN_GRIDS])
     c = q.counts
     sdpa = sum(v for k, v in c.calls.items() if k == "attention:" + SDPA_OP)
-    form = "static, masked" if static else "vLLM's, per segment"
+    form = "static: masks, banded windows" if static else "vLLM's, per segment"
     how = (
         "the step's masks built once, no host read"
         if static

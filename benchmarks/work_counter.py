@@ -107,18 +107,29 @@ QWEN_GRIDS = ([1, 32, 32], [1, 46, 58], [1, 16, 24], [1, 74, 56])
 1036x784 px at 14 px patches)."""
 
 
-def _qwen_row(model_dir: str) -> dict[str, Any]:
+def _qwen_row(model_dir: str, static: bool, released_depth: bool) -> dict[str, Any]:
+    """The Qwen2.5-VL vision step with vLLM's encoder attention (one SDPA per
+    segment, the dynamic plan off Gaudi) or the static plan's (one masked
+    SDPA a layer)."""
     from vllm_hpu_mm.bench.work_qwen import build_tower, count_qwen_vision
 
-    tower, cfg, vc = build_tower(model_dir)
+    tower, cfg, vc = build_tower(
+        model_dir, static=static, released_depth=released_depth
+    )
     q = count_qwen_vision(tower, cfg, vc, [list(g) for g in QWEN_GRIDS])
     c = q.counts
     sdpa = sum(v for k, v in c.calls.items() if k == "attention:" + SDPA_OP)
+    form = "static: masks, banded windows" if static else "vLLM's, per segment"
+    how = (
+        "the step's masks built once, no host read"
+        if static
+        else "a host read of cu_seqlens a layer"
+    )
     return {
-        "step": f"Qwen2.5-VL vision, {len(QWEN_GRIDS)} images",
+        "step": f"Qwen2.5-VL vision, {len(QWEN_GRIDS)} images ({form})",
         "shape": f"grids {[g[1:] for g in QWEN_GRIDS]} patches, {q.layers} layers, "
         f"{sdpa} SDPA calls ({sdpa / q.layers:.0f} a layer; the segments: "
-        f"{q.segments}), a host read of cu_seqlens a layer",
+        f"{q.segments}), {how}",
         "attention_flops": {
             "min": q.min_attention_flops,
             "work": round(c.flops["attention"] / q.min_attention_flops, 3),
@@ -132,7 +143,9 @@ def _qwen_row(model_dir: str) -> dict[str, Any]:
     }
 
 
-SDPA_OP = "aten.scaled_dot_product_attention.default"
+# The CPU's SDPA kernel: every SDPA call reaches it (vLLM's per-segment calls
+# also show their composite ``aten.scaled_dot_product_attention`` above it).
+SDPA_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 
 def moe_steps(seed: int) -> list[Any]:
@@ -182,6 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         default="models/tiny-qwen2_5-vl",
         help="checkpoint whose vision config builds the Qwen2.5-VL tower",
     )
+    parser.add_argument(
+        "--qwen-released-depth",
+        action="store_true",
+        help="the Qwen2.5-VL tower at the released depth (32 layers, 4 full "
+        "attention) instead of the checkpoint's",
+    )
     args = parser.parse_args(argv)
     # vLLM's log lines (building the Qwen tower) go to stdout with its own
     # handler; without it, its warnings reach stderr and the table stays clean
@@ -210,11 +229,15 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     vision = _vision_row(count_mllama_vision(list(MLLAMA_TILES)))
     rows.append(vision)
-    qwen = _qwen_row(args.qwen_model)
-    rows.append(qwen)
+    qwens = [
+        _qwen_row(args.qwen_model, static, args.qwen_released_depth)
+        for static in (False, True)
+    ]
+    rows += qwens
     if args.json:
         print(json.dumps(vision))
-        print(json.dumps(qwen))
+        for qwen in qwens:
+            print(json.dumps(qwen))
         _print_moe(moe, True)
         return
     print(
@@ -230,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         if "exact" in r:
             print(f"  {r['step']}: {r['exact']} -> {r['bucket']}, passes {r['passes']}")
     print(f"  {vision['step']}: {vision['shape']}")
-    print(f"  {qwen['step']}: {qwen['shape']}")
+    for qwen in qwens:
+        print(f"  {qwen['step']}: {qwen['shape']}")
     print()
     _print_moe(moe, False)
 

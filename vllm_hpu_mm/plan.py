@@ -79,6 +79,11 @@ class ExecutionPlan:
     """The sampler runs on logits padded to a batch bucket (warmed up), as the
     logits head does: graph mode with every graph at a fixed shape. False: at
     the real batch size."""
+    static_encoder_attention: bool
+    """Vision encoders' attention (vLLM's ``MMEncoderAttention``) runs as one
+    masked SDPA a layer over the whole padded patch sequence, FusedSDPA on
+    Gaudi (``attention.encoder``); False: vLLM's form, which reads the segment
+    offsets on the host and runs one SDPA per segment."""
 
     @property
     def attention_metadata(self) -> MetadataKind:
@@ -117,6 +122,9 @@ class ExecutionPlan:
             "sampler at batch buckets"
             if self.padded_sampler
             else "sampler at the real batch",
+            "encoder attention masked, one call a layer"
+            if self.static_encoder_attention
+            else "encoder attention per segment",
         ]
         return (
             f"vllm-hpu-mm execution plan: {self.name} ({self.reason}) on "
@@ -170,6 +178,8 @@ def build_plan(config: HpuMMConfig, kind: str, enforce_eager: bool) -> Execution
         decode_form="batched" if host else "flat",
         prepack_linear=dynamic and kind == "cpu",
         padded_sampler=mode == "compile" and not (opaque and kind != "hpu"),
+        # Where attention may not read host lengths, neither may the encoder's.
+        static_encoder_attention=not host,
     )
 
 

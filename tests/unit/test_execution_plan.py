@@ -38,6 +38,7 @@ STATIC_COMPILED = {
     "decode_form": "flat",
     "prepack_linear": False,
     "padded_sampler": True,
+    "static_encoder_attention": True,
 }
 
 
@@ -70,6 +71,7 @@ def test_dynamic_off_gaudi_is_the_fast_path(kind: str) -> None:
         "decode_form": "batched",
         "prepack_linear": kind == "cpu",
         "padded_sampler": False,
+        "static_encoder_attention": False,  # vLLM's per-segment SDPA
     }
     # eager mode: attention is called directly, never under a graph
     eager = build_plan(cfg(execution="dynamic"), kind, enforce_eager=True)
@@ -90,6 +92,7 @@ def test_dynamic_on_gaudi_keeps_static_shapes() -> None:
     assert not (plan.dense_decode_cache or plan.prepack_linear)
     assert plan.split_mixed_steps and plan.decode_form == "flat"
     assert plan.padded_sampler  # a static count per graph: the sampler too
+    assert plan.static_encoder_attention  # no host read in the vision tower
 
 
 @pytest.mark.parametrize(
@@ -140,6 +143,8 @@ def test_describe_names_the_plan_why_and_its_facts() -> None:
     assert line.startswith("vllm-hpu-mm execution plan: static (hpu_mm.execution")
     assert "tiled prefill" in line and "flat decode" in line
     assert "attention traced" in line and "flat cross-attention" in line
+    assert "encoder attention masked, one call a layer" in line
     line = build_plan(cfg(), "cpu", False).describe()
     assert "dynamic (execution auto on cpu)" in line
+    assert "encoder attention per segment" in line
     assert "prefill per request" in line and "symbolic token count" in line

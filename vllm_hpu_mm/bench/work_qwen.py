@@ -1,7 +1,10 @@
 """A Qwen2.5-VL vision step counted by ``bench.work``: vLLM's own
-``Qwen2_5_VisionTransformer`` (what the plugin serves; its attention is vLLM's
-``MMEncoderAttention``, on this platform the ``vllm.torch_sdpa_wrapper`` custom
-op, counted from the inside) over images of mixed sizes.
+``Qwen2_5_VisionTransformer`` (what the plugin serves) over images of mixed
+sizes, its attention in either form of ``MMEncoderAttention``: vLLM's (the
+dynamic plan off Gaudi: the ``vllm.torch_sdpa_wrapper`` custom op, counted
+from the inside, one SDPA per segment) or the static plan's
+(``vllm_hpu_mm.attention.encoder``: one masked SDPA a layer over all patches,
+the step's masks built once as the patch-bucket encoder builds them).
 
 The tower is built from ``models/tiny-qwen2_5-vl``'s config with the released
 window geometry (112 px windows of 14 px patches merged 2x2: 8x8 patches a
@@ -54,10 +57,24 @@ def qwen_segments(
     return [h * w] * t, windows * t
 
 
-def build_tower(model_dir: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+RELEASED_DEPTH = 32
+RELEASED_FULL_LAYERS = [7, 15, 23, 31]
+"""Released Qwen2.5-VL's tower: 32 layers, four of them full attention."""
+
+
+def build_tower(
+    model_dir: str,
+    dtype: torch.dtype = torch.bfloat16,
+    static: bool = False,
+    released_depth: bool = False,
+) -> Any:
     """vLLM's Qwen2.5-VL vision tower for ``model_dir``'s config, windows of
     ``WINDOW_PATCHES`` patches, seeded random weights (the process gets a
-    one-rank gloo group if it has none)."""
+    one-rank gloo group if it has none); ``static``: built under the static
+    plan with the plugin's encoder attention registered (as the worker
+    does), else under the dynamic plan (vLLM's form); ``released_depth``:
+    the released tower's layers (``RELEASED_DEPTH``, full attention at
+    ``RELEASED_FULL_LAYERS``) at the checkpoint's widths."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         init_distributed_environment,
@@ -65,8 +82,16 @@ def build_tower(model_dir: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     )
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_hpu_mm.attention.encoder import register_encoder_attention
+
+    register_encoder_attention()
+    plan = {"hpu_mm": {"execution": "static" if static else "dynamic"}}
     vc = EngineArgs(
-        model=model_dir, dtype="bfloat16", max_model_len=2048, enforce_eager=True
+        model=model_dir,
+        dtype="bfloat16",
+        max_model_len=2048,
+        enforce_eager=True,
+        additional_config=plan,
     ).create_engine_config()
     # imported after the config: making it loads the plugin, whose model
     # registration keeps torchvision out of vLLM's Qwen imports
@@ -74,6 +99,9 @@ def build_tower(model_dir: str, dtype: torch.dtype = torch.bfloat16) -> Any:
 
     cfg = vc.model_config.hf_config.vision_config
     cfg.window_size = WINDOW_PATCHES * cfg.patch_size
+    if released_depth:
+        cfg.depth = RELEASED_DEPTH
+        cfg.fullatt_block_indexes = list(RELEASED_FULL_LAYERS)
     with set_current_vllm_config(vc):
         if not torch.distributed.is_initialized():
             with socket.socket() as s:
@@ -103,6 +131,12 @@ def count_qwen_vision(
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionAttention
     from vllm.v1.attention.ops import vit_attn_wrappers
 
+    from vllm_hpu_mm.attention.encoder import (
+        attach_step_masks,
+        uses_static_attention,
+        window_patches,
+    )
+
     n = sum(t * h * w for t, h, w in grids)
     width = 3 * cfg.temporal_patch_size * cfg.patch_size**2
     x = torch.randn(n, width, generator=torch.Generator().manual_seed(1))
@@ -114,7 +148,12 @@ def count_qwen_vision(
     handles = counter.scope_modules(tower, Qwen2_5_VisionAttention, "attention")
     try:
         with set_current_vllm_config(vc), torch.no_grad(), counter:
-            tower(x.to(torch.bfloat16), grids)
+            metadata = tower.prepare_encoder_metadata(grids)
+            if uses_static_attention(tower):  # the patch-bucket encoder's masks
+                metadata = attach_step_masks(
+                    metadata, n, torch.bfloat16, window_patches(tower)
+                )
+            tower(x.to(torch.bfloat16), None, encoder_metadata=metadata)
     finally:
         for h in handles:
             h.remove()

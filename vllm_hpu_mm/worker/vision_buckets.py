@@ -20,8 +20,10 @@ Here a batch is padded to a *patch bucket* B (the smallest prepared size >= N):
   has a shape that depends on B alone.
 
 In graph mode the tower's forward over (patches, metadata) is compiled once per
-bucket at warmup (the varlen attention is vLLM's opaque custom op, so
-Dynamo never reads the segment values); any resolution mix that fits a prepared
+bucket at warmup (the varlen attention is vLLM's opaque custom op, or, under
+the plan's static encoder attention, one masked SDPA a layer whose masks are
+built from the segment offsets inside the graph: Dynamo never reads the
+segment values); any resolution mix that fits a prepared
 bucket then compiles nothing. Items whose patches exceed the largest bucket are
 split into several runs; a single item larger than it runs unpadded and
 eagerly (counted as a fallback).
@@ -37,6 +39,11 @@ from typing import Any
 import torch
 
 from vllm_hpu_mm import metrics
+from vllm_hpu_mm.attention.encoder import (
+    attach_step_masks,
+    uses_static_attention,
+    window_patches,
+)
 from vllm_hpu_mm.bucketing.buckets import exponential, smallest_fit
 
 logger = logging.getLogger("vllm.hpu_mm.vision")
@@ -119,6 +126,14 @@ class PatchBucketEncoder:
         self.patch_dim = (
             embed.proj.in_channels * embed.temporal_patch_size * embed.patch_size**2
         )
+        # Static encoder attention (the plan's ``static_encoder_attention``,
+        # read by the layers when built): each step's block-diagonal masks
+        # are built once, inside the tower's graph, for all layers.
+        self.step_masks = uses_static_attention(self.visual)
+        self.mask_dtype = next(
+            (p.dtype for p in self.visual.parameters()), torch.get_default_dtype()
+        )
+        self.window = window_patches(self.visual)
         self._tower: Callable[..., torch.Tensor] = self._run_tower
         if compile_backend is not None:
             self._tower = torch.compile(
@@ -131,6 +146,10 @@ class PatchBucketEncoder:
         )
 
     def _run_tower(self, x: torch.Tensor, metadata: dict[str, Any]) -> torch.Tensor:
+        if self.step_masks:
+            metadata = attach_step_masks(
+                metadata, x.shape[0], self.mask_dtype, self.window
+            )
         return self.visual(x, None, encoder_metadata=metadata)
 
     def _metadata(self, grids: list[list[int]], bucket: int) -> dict[str, Any]:

@@ -83,6 +83,11 @@ class HpuMMWorker(WorkerBase):
             from vllm_hpu_mm.fused_ops import register_fused_ops
 
             register_fused_ops()  # before the model's layers are built
+        from vllm_hpu_mm.attention.encoder import register_encoder_attention
+
+        # Every plan: each layer reads the plan when built (vLLM's form or
+        # the static one).
+        register_encoder_attention()
         from vllm_hpu_mm.moe import register_moe_method
 
         register_moe_method()  # MoE layers on the plugin's experts kernel

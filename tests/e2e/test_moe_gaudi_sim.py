@@ -39,12 +39,6 @@ def tally(request: pytest.FixtureRequest) -> Iterator[Bf16Tally]:
     t.report(request.config)
 
 
-@pytest.mark.xfail(
-    reason="known defect, open in issue 31: on main (with torch.hpu.Stream in the "
-    "simulated stack) Dynamo traces into the simulated MoE op's body and its "
-    "per-expert counters, recompiling while serving (62 compiles seen)",
-    strict=False,
-)
 def test_bf16_moe_runs_the_habana_op_matches_hf_and_compiles_nothing(
     tiny_llama_dir: str, tmp_path: Path, tally: Bf16Tally
 ) -> None:

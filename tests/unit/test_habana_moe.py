@@ -208,15 +208,28 @@ def test_hpu_backend_compiles_the_op_once_for_every_routing(
     habana: FakeHabana,
 ) -> None:
     layer, x, logits = _layer(device.habana_moe(), torch.bfloat16)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(device.compile_backend())(gm, example_inputs)
+
     compiled = torch.compile(
         lambda x, logits: experts_forward(layer, x, logits),
-        backend=device.compile_backend(),
+        backend=backend,
         fullgraph=True,
     )
     calls = moe_ops.MoeCounts.calls
     first = compiled(x, logits)
     second = compiled(x, logits.flip(-1))  # another routing, same shapes
     assert habana.calls.count("compile") == 1
+    # The op is one node of the graph: its body is not traced.
+    (graph,) = graphs
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert [str(t) for t in targets if "mixture_of_experts" in str(t)] == [
+        "hpu.mixture_of_experts"
+    ], targets
+    assert not any("matmul" in str(t) or "zeros" in str(t) for t in targets), targets
     assert moe_ops.MoeCounts.calls == calls + 2
     assert not torch.equal(first, second)
     torch.testing.assert_close(first, experts_forward(layer, x, logits))
@@ -256,3 +269,38 @@ def test_off_hpu_the_moe_runner_patch_does_not_apply() -> None:
 
     (patch,) = [p for p in patches.PATCHES if "MoE runner" in p.name]
     assert not patch.applies()
+
+
+
+
+def _layer_dynamo_skips(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w12: list[torch.Tensor],
+    w3: list[torch.Tensor],
+) -> torch.Tensor:
+    """An MoE layer's forward that Dynamo runs eagerly (its code is skipped,
+    as Dynamo skipped for good the decoder layers it first met inside the
+    memory profile) while it still intercepts the Python frames this one
+    calls: here only the op's kernel."""
+    out: torch.Tensor = torch.ops.hpu.mixture_of_experts.fused_weights(
+        x, ids, weights, w12, w3, True, "silu", 0, E - 1
+    )
+    return out
+
+
+def test_dynamo_never_traces_the_simulated_ops_body(habana: FakeHabana) -> None:
+    """Called from a frame Dynamo runs eagerly, the op's kernel is not taken
+    for a frame of its own to compile (its body would guard on the expert
+    counters and recompile at each call): two routings compile nothing, and
+    the op runs twice."""
+    torch._dynamo.eval_frame.skip_code(_layer_dynamo_skips.__code__)
+    x, w13, w2, weights, ids, _ = _case(torch.bfloat16, seed=4)
+    compiled = torch.compile(_layer_dynamo_skips, backend=device.compile_backend())
+    calls = moe_ops.MoeCounts.calls
+    first = compiled(x, weights, ids, list(w13), list(w2))
+    second = compiled(x, weights, ids.flip(-1), list(w13), list(w2))
+    assert moe_ops.MoeCounts.calls == calls + 2
+    assert not torch.equal(first, second)
+    assert habana.calls.count("compile") == 0, habana.calls

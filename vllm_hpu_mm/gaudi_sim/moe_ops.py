@@ -89,8 +89,10 @@ SCHEMAS = {
 
 class MoeCounts:
     """Calls of ``mixture_of_experts`` in this process and the tokens routed to
-    each expert id (tests read them; the op's body runs eagerly, also when a
-    compiled graph calls the op, and reads no value back to the host)."""
+    each expert id (tests read them). The op's body runs eagerly, also when a
+    compiled graph calls the op, and reads no value back to the host; Dynamo
+    never traces it (``register``), so a graph that calls the op holds it as
+    one node and guards on none of these counts."""
 
     calls = 0
     routed: dict[int, torch.Tensor] = {}  # expert id -> tokens routed to it (0-D)
@@ -162,6 +164,7 @@ def _check(
             )
 
 
+@torch.compiler.disable  # opaque to Dynamo for good (see ``register``)
 def mixture_of_experts_fused(
     hidden_states: torch.Tensor,  # [T, H]
     expert_routing_table: torch.Tensor,  # [T, k] int64 expert ids
@@ -199,6 +202,7 @@ def mixture_of_experts_fused(
     return out.to(x.dtype)
 
 
+@torch.compiler.disable
 def mixture_of_experts(
     hidden_states: torch.Tensor,
     expert_routing_table: torch.Tensor,
@@ -235,7 +239,14 @@ _LIBRARY: torch.library.Library | None = None
 
 def register() -> None:
     """Register both overloads as ``torch.ops.hpu.mixture_of_experts`` (once
-    per process)."""
+    per process).
+
+    The kernels are opaque to Dynamo, as the real op's C++ kernel is: both are
+    ``torch.compiler.disable``-d. A compiled graph holds the op as one node
+    whatever the routing; and where the op runs eagerly inside a compiled
+    region (a frame Dynamo skipped, which then intercepts the frames it calls)
+    Dynamo does not take the kernel's Python body for a frame of its own to
+    compile, guarding on ``MoeCounts`` and recompiling at every call."""
     global _LIBRARY
     if _LIBRARY is not None:
         return

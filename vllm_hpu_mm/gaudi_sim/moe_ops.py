@@ -96,6 +96,9 @@ class MoeCounts:
 
     calls = 0
     routed: dict[int, torch.Tensor] = {}  # expert id -> tokens routed to it (0-D)
+    # (experts_min, experts_max, rows of w12[e], columns of w12[e]) of the calls:
+    # which experts a rank ran and what slice of each one it holds
+    ranges: set[tuple[int, int, int, int]] = set()
 
 
 class MoeArgumentError(RuntimeError):
@@ -184,6 +187,7 @@ def mixture_of_experts_fused(
         x, ids, router_weights, w12, w3, permuted_weights, activation,
         experts_min, experts_max,
     )  # fmt: skip
+    MoeCounts.ranges.add((experts_min, experts_max, *w12[0].shape))
     act = ACTIVATIONS[activation]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j, (up, down) in enumerate(zip(w12, w3, strict=True)):

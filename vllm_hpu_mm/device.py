@@ -517,7 +517,11 @@ class HabanaMoe:
     gate+up and one ``[H, I]`` down weight per expert as lists of views of
     vLLM's stacked ``w13_weight`` / ``w2_weight`` (``permuted_weights=True``:
     the linear layout), ``experts_min`` / ``experts_max`` the experts this
-    rank holds. All local experts go in one call, as vllm-gaudi does unless
+    rank holds (all of them, each sliced, under tensor parallelism; under
+    expert parallelism the rank's contiguous range of global ids,
+    ``experts_min`` the first, with the routing table of global ids: the op
+    skips the others, as vllm-gaudi passes its ``ep_rank``'s range). All local
+    experts go in one call, as vllm-gaudi does unless
     ``MAX_EXPERTS_PER_SLICE`` is set (a workaround for Gaudi software 1.20);
     no ``chunk_size`` (vllm-gaudi passes one only when ``VLLM_MOE_CHUNK`` is
     configured: a speed setting)."""
@@ -530,8 +534,9 @@ class HabanaMoe:
         w13: torch.Tensor,  # [E, 2I, H] gate rows then up rows
         w2: torch.Tensor,  # [E, H, I]
         topk_weights: torch.Tensor,  # [T, k]
-        topk_ids: torch.Tensor,  # [T, k], ids 0 .. E-1
+        topk_ids: torch.Tensor,  # [T, k], global expert ids
         activation: str = "silu",
+        experts_min: int = 0,  # global id of w13[0]
     ) -> torch.Tensor:  # [T, H]
         return self.op(
             hidden_states=x,
@@ -541,8 +546,8 @@ class HabanaMoe:
             w3=list(w2.unbind(0)),
             permuted_weights=True,
             activation=activation,
-            experts_min=0,
-            experts_max=w13.shape[0] - 1,
+            experts_min=experts_min,
+            experts_max=experts_min + w13.shape[0] - 1,
         )
 
 

@@ -16,12 +16,18 @@ tokens each expert receives. Which one is decided once per layer, after
 loading, from the device (``layer.habana_moe``, None off Gaudi).
 Tensor parallelism needs nothing more: each rank holds its slice of every
 expert's intermediate dimension and vLLM's layer all-reduces the partial sums.
+Expert parallelism (``--enable-expert-parallel``) on Gaudi: each rank holds
+whole experts, a contiguous range of them (vLLM's ``linear`` placement), and
+passes that range to Habana's op as ``experts_min`` / ``experts_max`` with the
+routing table of global expert ids, as vllm-gaudi does; the op skips the
+experts of other ranks and vLLM's layer all-reduces.
 
 What the method refuses, at load: routing other than softmax top-k (grouped
 top-k, sigmoid scoring, a correction bias, a custom routing function, a scaling
 factor), activations other than SiLU-gated, expert biases, expert parallelism
-(an ``expert_map``) and routing weights applied to the input; each named in
-the message.
+off Gaudi or with experts not in one contiguous range per rank (an
+``expert_map`` the op's range cannot express) and routing weights applied to
+the input; each named in the message.
 """
 
 from __future__ import annotations
@@ -50,14 +56,15 @@ class HpuMMFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def process_weights_after_loading(self, layer: Any) -> None:
         super().process_weights_after_loading(layer)
+        # Looked up once, here: a compiled forward reads the attributes as
+        # constants (a device query traced by Dynamo would break the graph).
+        layer.habana_moe = device.habana_moe()
         _check_supported(layer, self.moe)
+        layer.habana_experts_min = local_experts_min(layer)
         # vLLM builds the (empty) quant config on the first forward; built here,
         # it is not traced into a graph (on HPU Dynamo failed inside it).
         if self.moe_quant_config is None:
             self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        # Looked up once, here: a compiled forward reads the attribute as a
-        # constant (a device query traced by Dynamo would break the graph).
-        layer.habana_moe = device.habana_moe()
 
     def apply_monolithic(  # type: ignore[override]
         self,
@@ -80,11 +87,39 @@ def experts_forward(
         router_logits, int(layer.top_k), bool(layer.renormalize), x.dtype
     )
     habana = layer.habana_moe  # device.habana_moe(), set after loading
-    kernel = routed_experts if habana is None else habana
-    out: torch.Tensor = kernel(
-        x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
-    )
+    out: torch.Tensor
+    if habana is None:
+        out = routed_experts(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
+        )
+    else:
+        out = habana(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            experts_min=int(getattr(layer, "habana_experts_min", 0)),
+        )  # fmt: skip
     return out
+
+
+def local_experts_min(layer: Any) -> int:
+    """The global id of this rank's first expert: 0 without expert
+    parallelism; under it, the start of the contiguous range of global ids
+    whose weights this rank holds (local expert ``i`` is global expert
+    ``start + i``), or ValueError where the ``expert_map`` is not one."""
+    expert_map = getattr(layer, "expert_map", None)
+    if expert_map is None:
+        return 0
+    local = [int(i) for i in expert_map.tolist()]  # global id -> local id or -1
+    held = [g for g, i in enumerate(local) if i >= 0]
+    start = held[0] if held else 0
+    linear = [i - start if start <= i < start + len(held) else -1
+              for i in range(len(local))]  # fmt: skip
+    if not held or local != linear:
+        raise ValueError(
+            "vllm-hpu-mm's MoE layer on Gaudi needs each rank's experts as one "
+            "contiguous range of global ids (expert placement 'linear'), for "
+            f"Habana's op's experts_min/experts_max; this rank's map: {local}"
+        )
+    return start
 
 
 def softmax_top_k(
@@ -118,7 +153,16 @@ def _check_supported(layer: Any, moe: Any) -> None:
     if getattr(moe, "has_bias", False):
         problems.append("expert biases")
     if getattr(layer, "expert_map", None) is not None:
-        problems.append("expert parallelism (--enable-expert-parallel)")
+        if getattr(layer, "habana_moe", None) is None:
+            problems.append("expert parallelism (--enable-expert-parallel) off Gaudi")
+        else:
+            try:
+                local_experts_min(layer)
+            except ValueError:
+                problems.append(
+                    "expert placement other than 'linear' (each rank one "
+                    "contiguous range of experts)"
+                )
     if getattr(layer, "apply_router_weight_on_input", False):
         problems.append("routing weights applied to the input")
     if problems:

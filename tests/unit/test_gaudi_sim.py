@@ -9,6 +9,7 @@ VLLM_HPU_MM_GAUDI_SIM=1``) runs in a fresh interpreter.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -570,13 +571,23 @@ def test_card_memory_counts_parameter_subclasses_not_fake_tensors() -> None:
 
     mib = 2**20
     hpu = card.SimHost(memory=2**34).process("worker")
-    start = hpu.memory_allocated()
-    weight = WeightParameter(torch.empty(mib, dtype=torch.float32), requires_grad=False)
-    assert hpu.memory_allocated() - start == 4 * mib
-    with FakeTensorMode():
-        fake = torch.empty(8 * mib, dtype=torch.uint8)
-    assert hpu.memory_allocated() - start == 4 * mib
-    del weight, fake
+    # The card counts the live tensors the garbage collector tracks: tensors in
+    # unreachable reference cycles (an earlier test's) count until a
+    # collection, which must not fall between two readings.
+    gc.collect()
+    gc.disable()
+    try:
+        start = hpu.memory_allocated()
+        weight = WeightParameter(
+            torch.empty(mib, dtype=torch.float32), requires_grad=False
+        )
+        assert hpu.memory_allocated() - start == 4 * mib
+        with FakeTensorMode():
+            fake = torch.empty(8 * mib, dtype=torch.uint8)
+        assert hpu.memory_allocated() - start == 4 * mib
+        del weight, fake
+    finally:
+        gc.enable()
 
 
 def test_card_memory_reads_past_dead_weak_proxies() -> None:

@@ -16,7 +16,12 @@ from hpu_kernels.moe import dense_experts_reference, routed_experts
 from tests.fakes.habana import FakeHabana, cpu_only_host
 from vllm_hpu_mm import device
 from vllm_hpu_mm.gaudi_sim import moe_ops
-from vllm_hpu_mm.moe import experts_forward, softmax_top_k
+from vllm_hpu_mm.moe import (
+    _check_supported,
+    experts_forward,
+    local_experts_min,
+    softmax_top_k,
+)
 
 E, H, INTER, K, T = 8, 24, 12, 2, 9
 
@@ -208,15 +213,30 @@ def test_hpu_backend_compiles_the_op_once_for_every_routing(
     habana: FakeHabana,
 ) -> None:
     layer, x, logits = _layer(device.habana_moe(), torch.bfloat16)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(device.compile_backend())(
+            gm, example_inputs
+        )
+
     compiled = torch.compile(
         lambda x, logits: experts_forward(layer, x, logits),
-        backend=device.compile_backend(),
+        backend=backend,
         fullgraph=True,
     )
     calls = moe_ops.MoeCounts.calls
     first = compiled(x, logits)
     second = compiled(x, logits.flip(-1))  # another routing, same shapes
     assert habana.calls.count("compile") == 1
+    # The op is one node of the graph: its body is not traced.
+    (graph,) = graphs
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert [str(t) for t in targets if "mixture_of_experts" in str(t)] == [
+        "hpu.mixture_of_experts"
+    ], targets
+    assert not any("matmul" in str(t) or "zeros" in str(t) for t in targets), targets
     assert moe_ops.MoeCounts.calls == calls + 2
     assert not torch.equal(first, second)
     torch.testing.assert_close(first, experts_forward(layer, x, logits))
@@ -256,3 +276,100 @@ def test_off_hpu_the_moe_runner_patch_does_not_apply() -> None:
 
     (patch,) = [p for p in patches.PATCHES if "MoE runner" in p.name]
     assert not patch.applies()
+
+
+def _layer_dynamo_skips(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w12: list[torch.Tensor],
+    w3: list[torch.Tensor],
+) -> torch.Tensor:
+    """An MoE layer's forward that Dynamo runs eagerly (its code is skipped,
+    as Dynamo skipped for good the decoder layers it first met inside the
+    memory profile) while it still intercepts the Python frames this one
+    calls: here only the op's kernel."""
+    out: torch.Tensor = torch.ops.hpu.mixture_of_experts.fused_weights(
+        x, ids, weights, w12, w3, True, "silu", 0, E - 1
+    )
+    return out
+
+
+def test_dynamo_never_traces_the_simulated_ops_body(habana: FakeHabana) -> None:
+    """Called from a frame Dynamo runs eagerly, the op's kernel is not taken
+    for a frame of its own to compile (its body would guard on the expert
+    counters and recompile at each call): two routings compile nothing, and
+    the op runs twice."""
+    torch._dynamo.eval_frame.skip_code(_layer_dynamo_skips.__code__)
+    x, w13, w2, weights, ids, _ = _case(torch.bfloat16, seed=4)
+    compiled = torch.compile(_layer_dynamo_skips, backend=device.compile_backend())
+    calls = moe_ops.MoeCounts.calls
+    first = compiled(x, weights, ids, list(w13), list(w2))
+    second = compiled(x, weights, ids.flip(-1), list(w13), list(w2))
+    assert moe_ops.MoeCounts.calls == calls + 2
+    assert not torch.equal(first, second)
+    assert habana.calls.count("compile") == 0, habana.calls
+
+
+# ---- expert parallelism on Gaudi --------------------------------------------------
+
+
+def _ep_layer(kernel: Any, rank: int, expert_map: list[int] | None) -> Any:
+    """Rank ``rank`` of 2 under expert parallelism: experts 4r .. 4r+3 whole."""
+    x, w13, w2, _, _, logits = _case(torch.bfloat16, seed=5)
+    held = slice(4 * rank, 4 * rank + 4)
+    layer = SimpleNamespace(
+        top_k=K,
+        renormalize=True,
+        w13_weight=w13[held],
+        w2_weight=w2[held],
+        habana_moe=kernel,
+        expert_map=None if expert_map is None else torch.tensor(expert_map),
+    )
+    return layer, x, w13, w2, logits
+
+
+def test_local_experts_min_is_the_ranks_first_global_expert() -> None:
+    none = SimpleNamespace(expert_map=None)
+    assert local_experts_min(none) == 0
+    first = SimpleNamespace(expert_map=torch.tensor([0, 1, 2, 3] + [-1] * 4))
+    second = SimpleNamespace(expert_map=torch.tensor([-1] * 4 + [0, 1, 2, 3]))
+    assert (local_experts_min(first), local_experts_min(second)) == (0, 4)
+    for scattered in ([0, -1, 1, -1, 2, -1, 3, -1], [-1] * 4 + [1, 0, 2, 3]):
+        with pytest.raises(ValueError, match="contiguous range"):
+            local_experts_min(SimpleNamespace(expert_map=torch.tensor(scattered)))
+
+
+def test_expert_parallel_ranks_on_gaudi_sum_to_all_experts(habana: FakeHabana) -> None:
+    """Each rank passes its range of global ids to the op with the whole
+    routing table; the two ranks' outputs (vLLM's layer all-reduces them)
+    are the output of all eight experts."""
+    kernel = device.habana_moe()
+    outs = []
+    for rank in (0, 1):
+        expert_map = [-1] * 8
+        expert_map[4 * rank : 4 * rank + 4] = [0, 1, 2, 3]
+        layer, x, w13, w2, logits = _ep_layer(kernel, rank, expert_map)
+        layer.habana_experts_min = local_experts_min(layer)
+        assert layer.habana_experts_min == 4 * rank
+        outs.append(experts_forward(layer, x, logits))
+    weights, ids = softmax_top_k(logits, K, True, x.dtype)
+    assert (ids < 4).any() and (ids >= 4).any()  # both ranks have work
+    whole = _call(x, w13, w2, weights, ids)
+    torch.testing.assert_close(outs[0] + outs[1], whole, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_expert_parallelism_is_refused_off_gaudi_and_when_scattered(
+    habana: FakeHabana,
+) -> None:
+    linear = [-1] * 4 + [0, 1, 2, 3]
+    moe = SimpleNamespace(has_bias=False)
+    layer = _ep_layer(device.habana_moe(), 1, linear)[0]
+    _check_supported(layer, moe)  # on Gaudi, one contiguous range: accepted
+    off_gaudi = _ep_layer(None, 1, linear)[0]
+    with pytest.raises(NotImplementedError, match=r"expert parallelism .* off Gaudi"):
+        _check_supported(off_gaudi, moe)
+    scattered = _ep_layer(device.habana_moe(), 1, [-1, 0, -1, 1, -1, 2, -1, 3])[0]
+    with pytest.raises(NotImplementedError, match="placement other than 'linear'"):
+        _check_supported(scattered, moe)

@@ -89,11 +89,16 @@ SCHEMAS = {
 
 class MoeCounts:
     """Calls of ``mixture_of_experts`` in this process and the tokens routed to
-    each expert id (tests read them; the op's body runs eagerly, also when a
-    compiled graph calls the op, and reads no value back to the host)."""
+    each expert id (tests read them). The op's body runs eagerly, also when a
+    compiled graph calls the op, and reads no value back to the host; Dynamo
+    never traces it (``register``), so a graph that calls the op holds it as
+    one node and guards on none of these counts."""
 
     calls = 0
     routed: dict[int, torch.Tensor] = {}  # expert id -> tokens routed to it (0-D)
+    # (experts_min, experts_max, rows of w12[e], columns of w12[e]) of the calls:
+    # which experts a rank ran and what slice of each one it holds
+    ranges: set[tuple[int, int, int, int]] = set()
 
 
 class MoeArgumentError(RuntimeError):
@@ -162,6 +167,7 @@ def _check(
             )
 
 
+@torch.compiler.disable  # opaque to Dynamo for good (see ``register``)
 def mixture_of_experts_fused(
     hidden_states: torch.Tensor,  # [T, H]
     expert_routing_table: torch.Tensor,  # [T, k] int64 expert ids
@@ -181,6 +187,7 @@ def mixture_of_experts_fused(
         x, ids, router_weights, w12, w3, permuted_weights, activation,
         experts_min, experts_max,
     )  # fmt: skip
+    MoeCounts.ranges.add((experts_min, experts_max, *w12[0].shape))
     act = ACTIVATIONS[activation]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j, (up, down) in enumerate(zip(w12, w3, strict=True)):
@@ -199,6 +206,7 @@ def mixture_of_experts_fused(
     return out.to(x.dtype)
 
 
+@torch.compiler.disable
 def mixture_of_experts(
     hidden_states: torch.Tensor,
     expert_routing_table: torch.Tensor,
@@ -235,7 +243,14 @@ _LIBRARY: torch.library.Library | None = None
 
 def register() -> None:
     """Register both overloads as ``torch.ops.hpu.mixture_of_experts`` (once
-    per process)."""
+    per process).
+
+    The kernels are opaque to Dynamo, as the real op's C++ kernel is: both are
+    ``torch.compiler.disable``-d. A compiled graph holds the op as one node
+    whatever the routing; and where the op runs eagerly inside a compiled
+    region (a frame Dynamo skipped, which then intercepts the frames it calls)
+    Dynamo does not take the kernel's Python body for a frame of its own to
+    compile, guarding on ``MoeCounts`` and recompiling at every call."""
     global _LIBRARY
     if _LIBRARY is not None:
         return

@@ -103,11 +103,18 @@ def aot_eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> An
 
 def _reinplaced(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     from functorch.compile import make_boxed_func
+    from torch._guards import detect_fake_mode
     from torch._inductor.fx_passes.post_grad import decompose_auto_functionalized
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
     from torch._inductor.fx_utils import FakeTensorUpdater
+    from torch._inductor.virtualized import V
 
-    reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+    # The passes build nodes under Inductor's fake mode (a write through a
+    # view becomes a generalized scatter): the graph's own.
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(placeholders) or detect_fake_mode(example_inputs)
+    with V.set_fake_mode(fake_mode):
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
     decompose_auto_functionalized(gm.graph)
     for node in list(gm.graph.nodes):  # copy_(x, x): the write-back, now in place
         if node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1]:

@@ -3,9 +3,10 @@
 Each backend (``hpu_mm.warmup.compile_backend``) starts its own engine of tiny
 Qwen2.5-VL on ``execution: static`` (float32, in its own process, the engine
 in-process, a fresh Inductor cache directory) over the same bucket file, all at
-once (``--together``, the default: the same machine load for each) or one
-after the other, and reports: engine start and warmup seconds, compilations,
-the process's CPU seconds, and where torch.compile spent its time (Dynamo's
+once (the default: the same machine load for each) or one after the other
+(``--one-by-one``), and reports: engine start and warmup seconds, compilations,
+the CPU seconds of its process and the processes it waited for (start-up,
+warmup and one short generation), and where torch.compile spent its time (Dynamo's
 ``compile_times``: the Dynamo trace, AOTAutograd, Inductor's code generation
 and its C++ compilation), then one greedy generation's tokens (equal across
 backends, float32).
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -72,7 +72,6 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         **limits,
     )
     started = time.perf_counter() - start
-    usage = resource.getrusage(resource.RUSAGE_SELF)
     from torch._dynamo.utils import compilation_time_metrics
 
     totals = {name: sum(times) for name, times in compilation_time_metrics.items()}
@@ -87,10 +86,26 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         "compiles": read_metric(
             "vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}
         ),
-        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
         **{k: round(totals.get(v, 0.0), 1) for k, v in PHASES.items()},
         "tokens": list(out[0].outputs[0].token_ids),
     }
+
+
+def _finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """A child's result row, once, after it exits."""
+    if hasattr(proc, "row"):
+        return proc.row  # type: ignore[no-any-return]
+    assert proc.stdout is not None
+    stdout = proc.stdout.read()
+    # The child's CPU with the processes it waited for (Inductor's compile
+    # workers), which its own getrusage(RUSAGE_SELF) would leave out.
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    row = json.loads(lines[-1][7:]) if lines else {"failed": proc.returncode}
+    row["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 1)
+    proc.row = row  # type: ignore[attr-defined]
+    return row  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -121,12 +136,8 @@ def main() -> None:
         )
         procs.append(proc)
         if args.one_by_one:
-            proc.wait()
-    rows = []
-    for proc in procs:
-        stdout, _ = proc.communicate()
-        lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
-        rows.append(json.loads(lines[-1][7:]) if lines else {"failed": proc.returncode})
+            _finish(proc)
+    rows = [_finish(proc) for proc in procs]
     keys = ["backend", "start_s", "warmup_s", "compiles", "cpu_s", *PHASES, "tokens"]
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))

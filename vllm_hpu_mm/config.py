@@ -340,6 +340,17 @@ class WarmupConfig(_Section):
     request."""
     progress_bar: bool = True
     """Show a progress bar during warm-up."""
+    compile_backend: Literal["auto", "inductor", "aot_eager"] = "auto"
+    """The torch.compile backend of graph mode off Gaudi (Gaudi always compiles with
+    Habana's `hpu_backend`; another value than `auto` is refused there). `inductor`:
+    generated C++ (CPU) or Triton (CUDA) code per graph, the fastest steps, about 10 s
+    of code generation and compilation per graph on a 2-core CPU. `aot_eager`: each
+    graph traced by Dynamo and lowered by AOTAutograd as `hpu_backend` lowers it,
+    KV-cache writes reinplaced, then run op by op with no code generated; the same
+    static graphs, shapes and zero-compilation rule, a fraction of the warm-up (and
+    nothing for `compile_cache_dir` to keep: each start traces again). `auto`:
+    `aot_eager` on the CPU with `execution: static` (Gaudi's path, warm-up compiles
+    every step shape), `inductor` otherwise."""
     compile_cache_dir: str | None = None
     """Directory of the compile caches in graph mode. CPU and CUDA: Inductor's
     FX graph and AOTAutograd caches (`TORCHINDUCTOR_CACHE_DIR`): a later start of

@@ -17,6 +17,12 @@ step budget (chunks cut every video), the settings of
 ``/metrics`` shows every graph compiled at warmup, none while serving, the
 videos on the vision patch buckets and no fallback.
 
+A third server runs Qwen2.5-VL on ``execution: static`` (Gaudi's path: every
+step shape a static graph, compiled at warmup with the CPU's default backend
+for that plan, ``aot_eager``) over a small bucket file, float32: an image chat
+and a text chat are HF-identical and ``/metrics`` counts no compilation after
+warmup.
+
 The tiny models' saved chat template knows image parts only; the servers get
 the same template with a video branch (``--chat-template``), as released
 Qwen2.5-VL and Qwen3-VL templates have."""
@@ -34,7 +40,7 @@ import pytest
 import requests
 
 from tests.e2e import test_serve
-from tests.e2e.test_serve import Server, serve
+from tests.e2e.test_serve import Server, serve, server_compiles
 from tests.mm_reference import chat_messages, make_image
 from tests.qwen_reference import (
     hf_qwen_greedy,
@@ -143,6 +149,60 @@ def server_qwen3(
         patch.undo()
     yield started
     next(servers, None)  # stop it and check its log
+
+
+# The static plan's server: small buckets, so warmup compiles a handful of
+# graphs (each step shape, logits size, sampler batch and vision patch bucket).
+STATIC_BUDGET = 32
+STATIC_BUCKETS = "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n"
+
+
+@pytest.fixture(scope="module")
+def server_static(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("serve_qwen_static")
+    (root / "buckets.yaml").write_text(STATIC_BUCKETS)
+    plugin = {
+        "hpu_mm": {
+            "execution": "static",
+            "graph_mode": "compile",  # serve() passes --enforce-eager
+            "bucketing": {"strategy": "explicit", "file": str(root / "buckets.yaml")},
+            "warmup": {"progress_bar": False},
+        }
+    }
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path_factory.mktemp("metrics")))
+    patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
+    servers = serve(
+        tiny_qwen_dir(),
+        root / "server.log",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        str(STATIC_BUDGET),
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 1}),
+        "--additional-config",
+        json.dumps(plugin),
+    )
+    try:
+        started = next(servers)
+    finally:
+        patch.undo()
+    yield started
+    next(servers, None)
+
+
+def test_static_plan_serves_hf_identical_answers_compiling_nothing(
+    server_static: Server,
+) -> None:
+    log = server_static.log_path.read_text(errors="replace")
+    assert "execution plan: static" in log
+    assert "backend aot_eager" in log  # the CPU's default for the static plan
+    warmed = server_compiles(server_static)
+    assert warmed["warmup"] > 0 and warmed["serving"] == 0, warmed
+    _check_chat(server_static, [make_image("gradient", (40, 24))])  # chunked
+    _check_chat(server_static, [])
+    assert server_compiles(server_static) == warmed
 
 
 @pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])

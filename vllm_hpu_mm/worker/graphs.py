@@ -58,6 +58,72 @@ SINGLE_STAGE = PipelineStage(0, 1)
 logger = logging.getLogger("vllm.hpu_mm.graphs")
 
 
+AOT_EAGER = "aot_eager"
+
+
+def choose_backend(plan: ExecutionPlan, configured: str = "auto") -> str:
+    """The torch.compile backend of graph mode (``hpu_mm.warmup.compile_backend``):
+    Habana's ``hpu_backend`` on Gaudi, whatever is asked (any other value is
+    refused there); off Gaudi the configured one, and for ``auto``
+    ``aot_eager`` on the CPU's static plan (every step shape is a graph, and
+    Inductor spends some 10 s generating and compiling C++ for each on a
+    2-core machine), Inductor otherwise."""
+    if plan.device_kind == "hpu":
+        if configured != "auto":
+            raise RuntimeError(
+                f"hpu_mm.warmup.compile_backend = {configured!r}: Gaudi compiles "
+                "with Habana's hpu_backend only; leave it 'auto'"
+            )
+        return dev.compile_backend()
+    if configured != "auto":
+        return configured
+    if plan.name == "static" and plan.device_kind == "cpu":
+        return AOT_EAGER
+    return "inductor"
+
+
+def aot_eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """``aot_eager`` as graph mode uses it: the Dynamo graph lowered through
+    AOTAutograd as Habana's ``hpu_backend`` lowers it (functionalised ATen,
+    input mutations kept in the graph), then Inductor's reinplacing passes,
+    so the KV-cache write (a custom op that mutates the cache, traced as
+    ``auto_functionalized``) writes its slots in place instead of cloning the
+    whole cache and copying it back on every call; no code is generated, the
+    graph runs op by op. Each graph is still one static shape, compiled once
+    at warmup and counted."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    lowered = aot_autograd(
+        fw_compiler=_reinplaced,
+        inference_compiler=_reinplaced,
+        keep_inference_input_mutations=True,
+    )
+    return lowered(gm, example_inputs)
+
+
+def _reinplaced(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    from functorch.compile import make_boxed_func
+    from torch._guards import detect_fake_mode
+    from torch._inductor.fx_passes.post_grad import decompose_auto_functionalized
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+    from torch._inductor.virtualized import V
+
+    # The passes build nodes under Inductor's fake mode (a write through a
+    # view becomes a generalized scatter): the graph's own.
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(placeholders) or detect_fake_mode(example_inputs)
+    with V.set_fake_mode(fake_mode):
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+    decompose_auto_functionalized(gm.graph)
+    for node in list(gm.graph.nodes):  # copy_(x, x): the write-back, now in place
+        if node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1]:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
 class CompileCounter:
     """A torch.compile backend that counts compilations, then delegates."""
 
@@ -69,6 +135,8 @@ class CompileCounter:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.count += 1
         metrics.GRAPH_COMPILES.labels(phase=self.phase).inc()
+        if self.inner == AOT_EAGER:
+            return aot_eager_backend(gm, example_inputs)
         from torch._dynamo import lookup_backend
 
         return lookup_backend(self.inner)(gm, example_inputs)

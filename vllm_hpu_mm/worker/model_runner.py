@@ -51,7 +51,7 @@ from vllm_hpu_mm.worker import cpu_linear
 from vllm_hpu_mm.worker.async_output import AsyncStepOutput, PendingTokens
 from vllm_hpu_mm.worker.buffers import DeviceBuffers
 from vllm_hpu_mm.worker.cross_attention import CrossAttentionInputs
-from vllm_hpu_mm.worker.graphs import GraphRunner
+from vllm_hpu_mm.worker.graphs import GraphRunner, choose_backend
 from vllm_hpu_mm.worker.input_batch import PersistentBatch
 from vllm_hpu_mm.worker.inputs import StepBatch, build_step, order_requests
 from vllm_hpu_mm.worker.kv_cache import (
@@ -188,7 +188,7 @@ class HpuMMModelRunner:
         self.graphs = GraphRunner(
             self.model,
             self.plan,
-            dev.compile_backend(),
+            choose_backend(self.plan, self.plugin_config.warmup.compile_backend),
             compile_cache_dir=self.plugin_config.warmup.compile_cache_dir,
             stage=self.stage,
             dtype=self.model_config.dtype,  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +48,45 @@ if TYPE_CHECKING:
     from vllm_hpu_mm.worker.model_runner import HpuMMModelRunner
 
 logger = logging.getLogger("vllm.hpu_mm.warmup")
+
+PROGRESS_EVERY_S = 30.0  # a progress log line at most this often
+
+
+class WarmupProgress:
+    """Log lines of warmup's progress: shapes done out of the total, the time
+    spent and the time left at the mean pace so far, at most every
+    ``every_s`` seconds and once at the end (a server's log has no progress
+    bar; the bar is ``hpu_mm.warmup.progress_bar``)."""
+
+    def __init__(
+        self,
+        total: int,
+        every_s: float = PROGRESS_EVERY_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.total = total
+        self.done = 0
+        self.every_s = every_s
+        self.clock = clock
+        self.start = self.last = clock()
+
+    def line(self) -> str:
+        elapsed = self.clock() - self.start
+        left = elapsed / self.done * (self.total - self.done) if self.done else None
+        return f"Warmup: {self.done}/{self.total} shapes in {elapsed:.0f} s, " + (
+            f"about {left:.0f} s left" if left is not None else "time left unknown"
+        )
+
+    def step(self) -> str | None:
+        """One shape done; the line logged, if it is time for one."""
+        self.done += 1
+        now = self.clock()
+        if self.done < self.total and now - self.last < self.every_s:
+            return None
+        self.last = now
+        text = self.line()
+        logger.info("%s", text)
+        return text
 
 
 def _padding_only_step(runner: HpuMMModelRunner, shape: StepShape) -> None:
@@ -114,6 +154,15 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     max_logprobs = int(runner.model_config.max_logprobs)
     sampler_calls = 0
     start = time.perf_counter()
+    logger.info(
+        "Warmup: %d shapes (%d decode, %d prefill, %d logits sizes), backend %s",
+        len(work),
+        len(decode),
+        len(prefill),
+        len(work) - len(decode) - len(prefill),
+        graphs.counter.inner,
+    )
+    progress = WarmupProgress(len(work))
     # Gaudi: graphs compiled, not run (a no-op elsewhere); nothing in this
     # block reads a tensor's value back to the host.
     with dev.compile_only_mode() as compile_only:
@@ -122,6 +171,7 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         ):
             if isinstance(item, StepShape):
                 _padding_only_step(runner, item)
+                progress.step()
                 continue
             hidden = torch.zeros(item, hidden_size, dtype=dtype, device=runner.device)
             logits = graphs.logits(hidden)  # [item, V]
@@ -130,7 +180,10 @@ def warm_up(runner: HpuMMModelRunner) -> None:
                     sampler_calls += warm_up_sampler(
                         runner.sampler, logits, max_logprobs
                     )
+            progress.step()
     encoder_shapes = 0
+    if runner.mm is not None or runner.cross is not None:
+        logger.info("Warmup: the encoder's buckets")
     if runner.mm is not None:
         encoder_shapes = warm_up_encoder(runner, runner.vllm_config)
     if runner.cross is not None:
@@ -141,7 +194,7 @@ def warm_up(runner: HpuMMModelRunner) -> None:
     logger.info(
         "Warmup finished in %.1f s: %d step shapes (%d decode + %d prefill, "
         "%s decode, attention %s), %d logits sizes, %d sampler calls at %s, "
-        "%d encoder sizes; %d compilations (%s)%s",
+        "%d encoder sizes; %d compilations (%s, backend %s)%s",
         seconds,
         len(decode) + len(prefill),
         len(decode),
@@ -158,6 +211,7 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         f"{graphs.regions} decoder layers compiled regionally"
         if graphs.regions
         else "whole body",
+        graphs.counter.inner,
         f"; {dev.COMPILE_ONLY_SETTING}: compiled without running"
         if compile_only
         else "",

@@ -34,6 +34,10 @@ def _hf(model_dir: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     model = MllamaForConditionalGeneration.from_pretrained(
         model_dir, dtype=dtype
     ).eval()
+    # vLLM runs with ignore_eos=True in the comparisons: never stop early here,
+    # and do not mask eos either (min_new_tokens would forbid an eos that is
+    # the argmax, as in bfloat16 on some CPUs, and change the oracle's tokens).
+    model.generation_config.eos_token_id = None
     return model, AutoProcessor.from_pretrained(model_dir)
 
 
@@ -79,7 +83,7 @@ def hf_mllama_greedy(
     model, _ = _hf(model_dir)
     inputs = hf_mllama_inputs(model_dir, prompt_token_ids, images)
     out = model.generate(
-        **inputs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
+        **inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
     )
     return out[0, len(prompt_token_ids) :].tolist()
 
@@ -122,7 +126,7 @@ def hf_mllama_greedy_steps(
         **inputs,
         max_new_tokens=max_tokens,
         do_sample=False,
-        min_new_tokens=max_tokens,
+        eos_token_id=None,
         return_dict_in_generate=True,
         output_logits=True,
     )

@@ -35,6 +35,7 @@ def image_engine_in_graph_mode(
     buckets_yaml: str,
     max_num_batched_tokens: int,
     execution: str = "auto",
+    **engine_args: Any,
 ) -> Any:
     """A vision-language model in graph mode over ``buckets_yaml``, float32 (HF
     parity), 4 sequences of up to 256 tokens, 2 images per prompt, on the
@@ -52,4 +53,5 @@ def image_engine_in_graph_mode(
         additional_config=compiled_with_buckets(
             tmp_path_factory, name, buckets_yaml, execution
         ),
+        **engine_args,
     )

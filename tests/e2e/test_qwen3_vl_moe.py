@@ -1,8 +1,10 @@
 """Qwen3-VL-MoE (the vision-language mixture-of-experts form Gaudi teams serve,
 e.g. Qwen3-VL-30B-A3B) through ``vllm.LLM``: Qwen3-VL's tower, deep stack and
 M-RoPE with the plugin's experts kernel in the text model. A tiny random
-checkpoint as transformers writes it, float32, graph mode, a 32-token step
-budget that cuts images; greedy tokens identical to transformers'
+checkpoint as transformers writes it, float32, graph mode on the dynamic plan,
+tensor parallel over two ranks (vLLM's multiprocessing executor: each rank holds
+half of every expert's intermediate rows, the vision tower's heads split), a
+32-token step budget that cuts images; greedy tokens identical to transformers'
 ``Qwen3VLMoeForConditionalGeneration``, nothing compiled while serving across
 the routings of different images and prompts."""
 
@@ -37,6 +39,8 @@ def llm(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
         "prefill_tokens: [16, 32]\ndecode_batch: [1, 4]\nblocks: [8, 32]\n"
         "vision_patches: [64, 256]\n",
         32,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
     )
     yield from engine_lifetime(engine)
 
@@ -51,4 +55,6 @@ def test_images_and_text_match_hf(llm: Any, model_dir: str) -> None:
         (qwen_prompt(1, "Describe it."), [make_image("gradient", (40, 24), 2)]),
     ]
     check_parity(llm, model_dir, cases, MAX_NEW)
+    # Both ranks' counts reach this process (vLLM's multiprocess metrics).
+    assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "warmup"}) > 0
     assert read_metric("vllm_hpu_mm:graph_compiles_total", {"phase": "serving"}) == 0

@@ -51,14 +51,6 @@ def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
-    fake = FakeHabana().install(monkeypatch)
-    device.select_device.cache_clear()
-    yield fake
-    fake.uninstall()
-
-
 def _qkv(n: int = N, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, n, HEADS, HEAD, generator=g)

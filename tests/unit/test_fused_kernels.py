@@ -59,15 +59,6 @@ def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
-def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
-    fake = FakeHabana().install(monkeypatch)
-    device.select_device.cache_clear()
-    assert device.device_kind() == "hpu"
-    yield fake
-    fake.uninstall()
-
-
-@pytest.fixture
 def vllm_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """vLLM's op registry, restored afterwards, and the compilation config its
     CustomOps read, with the fused ops enabled as the HPU platform does."""

@@ -50,17 +50,6 @@ def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHabana]:
-    fake = FakeHabana().install(monkeypatch)
-    device.select_device.cache_clear()
-    assert device.device_kind() == "hpu"
-    torch._dynamo.reset()
-    yield fake
-    torch._dynamo.reset()
-    fake.uninstall()
-
-
 def _hpu_compile(fn: Any, **kwargs: Any) -> Any:
     return torch.compile(fn, backend=device.compile_backend(), **kwargs)
 

@@ -354,10 +354,7 @@ def _plan(args: argparse.Namespace) -> int:
             steps,
             limits,
             args.graph_budget,
-            block_budget=args.block_budget,
-            batch_weight=args.batch_weight,
-            step_graph_budget=args.step_graph_budget,
-            decode_form=args.decode_form,
+            **_planner_options(args),
         )
     except (OSError, ValueError) as exc:
         print(f"vllm-hpu-mm: {exc}", file=sys.stderr)
@@ -387,6 +384,16 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's options from ``buckets plan``'s arguments (steps or axes)."""
+    return {
+        "block_budget": args.block_budget,
+        "batch_weight": args.batch_weight,
+        "step_graph_budget": args.step_graph_budget,
+        "decode_form": args.decode_form,
+    }
+
+
 def _plan_from_metrics(args: argparse.Namespace, limits: Any) -> int:
     """``buckets plan --metrics``: the histogram counts each axis on its own, so
     padding is reported per axis (no per-step fallback count)."""
@@ -402,10 +409,7 @@ def _plan_from_metrics(args: argparse.Namespace, limits: Any) -> int:
             axes,
             limits,
             args.graph_budget,
-            block_budget=args.block_budget,
-            batch_weight=args.batch_weight,
-            step_graph_budget=args.step_graph_budget,
-            decode_form=args.decode_form,
+            **_planner_options(args),
         )
     except (OSError, ValueError) as exc:
         print(f"vllm-hpu-mm: {exc}", file=sys.stderr)

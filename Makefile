@@ -62,10 +62,16 @@ BF16_FILES := tests/e2e/test_bf16_mllama.py tests/e2e/test_bf16_serve.py \
 	tests/e2e/test_bf16_llama.py tests/e2e/test_bf16_llava.py
 test-bf16-noamx: models
 	ONEDNN_MAX_CPU_ISA=$(word 1,$(NOAMX_ISA)) ATEN_CPU_CAPABILITY=$(word 2,$(NOAMX_ISA)) \
-		$(VENV)/bin/pytest -q $(BF16_FILES)
+		$(VENV)/bin/pytest -q -n $(TEST_WORKERS) $(BF16_FILES)
+
+# Two pytest-xdist workers: most of an e2e module's time is single-threaded
+# (Dynamo tracing, engine start-up, HF references), so two modules at a time
+# use both cores of the CI machine. A module's tests stay on one worker (its
+# shared engines start once: tests/conftest.py). TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 
 test: lint models
-	$(VENV)/bin/pytest -q --durations=30 tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=30 tests
 	$(MAKE) --no-print-directory test-bf16-noamx
 
 clean:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,3 +56,63 @@ def tiny_llava_released_dir() -> str:
 def tiny_idefics3_dir() -> str:
     """Path of the tiny Idefics3 (SmolVLM architecture, float32)."""
     return _tiny_model_dir("tiny-idefics3")
+
+
+# Modules that must not run at the same time as each other under pytest-xdist
+# (``make test`` runs two workers): each starts a local Ray cluster, and two
+# clusters on one host compete for Ray's fixed default ports.
+_SERIAL_GROUPS = {
+    "test_ray_pp": "ray",
+    "test_ray_tp": "ray",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``make test`` runs two workers) a module's tests
+    stay on one worker, so its shared engines start once; the modules of
+    ``_SERIAL_GROUPS`` share a worker and run one after the other. (xdist's
+    own ``loadgroup`` cannot do this under pytest 9: it renames test ids
+    through an attribute pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return _SERIAL_GROUPS.get(Path(module).stem, module)
+
+    return ModuleScheduling(config, log)
+
+
+_SUMMARY_KEY = "hpu_mm_summary"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """In an xdist worker: summary lines written by module fixtures torn down
+    with this test (``Bf16Tally.report``) travel with its report."""
+    from tests.hf_reference import PENDING_SUMMARIES
+
+    try:
+        return (yield)
+    finally:
+        while PENDING_SUMMARIES:
+            item.user_properties.append((_SUMMARY_KEY, PENDING_SUMMARIES.pop(0)))
+
+
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _CONFIG.append(config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """In the xdist controller: print the summary lines a worker sent."""
+    if report.when != "teardown" or not _CONFIG or hasattr(_CONFIG[0], "workerinput"):
+        return
+    from tests.hf_reference import write_summary
+
+    for key, line in report.user_properties:
+        if key == _SUMMARY_KEY:
+            write_summary(_CONFIG[0], str(line))

@@ -226,12 +226,28 @@ class Bf16Tally:
         )
 
     def report(self, config: Any) -> None:
-        """Print the summary line past pytest's output capture."""
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        capture = config.pluginmanager.get_plugin("capturemanager")
-        if reporter is None or capture is None:
-            print(self.summary())
+        """Print the summary line past pytest's output capture. In a
+        pytest-xdist worker, whose terminal nobody reads, the line goes to the
+        controller with the report of the test being torn down
+        (``tests/conftest.py``), which prints it."""
+        if hasattr(config, "workerinput"):
+            PENDING_SUMMARIES.append(self.summary())
             return
-        with capture.global_and_fixture_disabled():
-            reporter.ensure_newline()
-            reporter.write_line(self.summary())
+        write_summary(config, self.summary())
+
+
+# Summary lines of an xdist worker waiting for the next test report
+# (``tests/conftest.py`` moves them into its ``user_properties``).
+PENDING_SUMMARIES: list[str] = []
+
+
+def write_summary(config: Any, line: str) -> None:
+    """One line on pytest's terminal, past its output capture."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.ensure_newline()
+        reporter.write_line(line)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,11 +73,13 @@ def _ray_start(args: list[str], common: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def ray_cluster(
-    temp_dir: Path, nodes: int, hpu_per_node: int, cpus_per_node: int
-) -> Iterator[str]:
+def ray_cluster(nodes: int, hpu_per_node: int, cpus_per_node: int) -> Iterator[str]:
     """A head and ``nodes - 1`` worker nodes; yields the head's address with
-    ``RAY_ADDRESS`` pointing at it, and stops every node on exit."""
+    ``RAY_ADDRESS`` pointing at it, and stops every node on exit. The session
+    directory is a short one under /tmp, not pytest's: Ray's sockets live
+    there and a Unix socket path holds at most 107 bytes (pytest-xdist's
+    worker directories made them longer)."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="hpu-mm-ray-"))
     common = [
         "--node-ip-address=127.0.0.1",
         f"--num-cpus={cpus_per_node}",
@@ -107,3 +111,4 @@ def ray_cluster(
         mp.undo()
         for pgid in reversed(groups):
             stop_group(pgid)
+        shutil.rmtree(temp_dir, ignore_errors=True)

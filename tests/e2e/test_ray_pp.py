@@ -48,15 +48,13 @@ MAX_NEW = 4
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def two_nodes() -> Iterator[str]:
     """A head and a worker Ray node, 2 HPU slots each; the engines' workers
     pickle this module's functions (collective_rpc below)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     try:
-        with ray_cluster(
-            tmp_path_factory.mktemp("ray"), nodes=2, hpu_per_node=TP, cpus_per_node=1
-        ) as address:
+        with ray_cluster(nodes=2, hpu_per_node=TP, cpus_per_node=1) as address:
             yield address
     finally:
         mp.undo()

@@ -56,11 +56,9 @@ def _prompts(model_dir: str, lengths: tuple[int, ...], seed: int) -> list[list[i
 
 
 @pytest.fixture(scope="module")
-def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_address() -> Iterator[str]:
     """A local Ray head with 2 HPU slots; RAY_ADDRESS points the engine at it."""
-    with ray_cluster(
-        tmp_path_factory.mktemp("ray"), nodes=1, hpu_per_node=TP, cpus_per_node=2
-    ) as address:
+    with ray_cluster(nodes=1, hpu_per_node=TP, cpus_per_node=2) as address:
         yield address
 
 

@@ -60,19 +60,29 @@ test-vllm-upstream: models
 NOAMX_ISA ?= AVX512_CORE_BF16 avx512
 BF16_FILES := tests/e2e/test_bf16_mllama.py tests/e2e/test_bf16_serve.py \
 	tests/e2e/test_bf16_llama.py tests/e2e/test_bf16_llava.py
+# On a CPU without AMX the main run already used these kernels (the caps
+# only lower what an AMX CPU would pick), so the rerun is skipped there.
+HAS_AMX := $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo yes)
 test-bf16-noamx: models
-	ONEDNN_MAX_CPU_ISA=$(word 1,$(NOAMX_ISA)) ATEN_CPU_CAPABILITY=$(word 2,$(NOAMX_ISA)) \
+ifeq ($(HAS_AMX),yes)
+	$(TEST_ENV) ONEDNN_MAX_CPU_ISA=$(word 1,$(NOAMX_ISA)) ATEN_CPU_CAPABILITY=$(word 2,$(NOAMX_ISA)) \
 		$(VENV)/bin/pytest -q -n $(TEST_WORKERS) $(BF16_FILES)
+else
+	@echo "test-bf16-noamx: this CPU has no AMX (no amx_tile in /proc/cpuinfo):" \
+		"the bfloat16 files already ran on its own, non-AMX kernels; not rerun"
+endif
 
-# pytest-xdist workers: 0 runs the suite in one process (the default, what CI
-# runs). TEST_WORKERS=2 runs two modules at a time, a module's tests on one
-# worker (its shared engines start once: tests/conftest.py): 1441 s against
-# 1928 s here with warm compile caches, but a cold-cache run stalled in
-# test_qwen_video (docs/test-suite.md), so it is not the default yet.
-TEST_WORKERS ?= 0
+# pytest-xdist workers: two modules at a time, a module's tests on one worker
+# (its shared engines start once: tests/conftest.py); TEST_WORKERS=0 runs the
+# suite in one process. Inductor compiles in the test process and in the
+# servers it starts (TORCHINDUCTOR_COMPILE_THREADS=1): with its compile pool
+# two workers on cold caches once stalled waiting on a pool job
+# (docs/test-suite.md, "Two workers, measured").
+TEST_WORKERS ?= 2
+TEST_ENV := TORCHINDUCTOR_COMPILE_THREADS=$${TORCHINDUCTOR_COMPILE_THREADS:-1}
 
 test: lint models
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=30 tests
+	$(TEST_ENV) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=30 tests
 	$(MAKE) --no-print-directory test-bf16-noamx
 
 clean:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.e2e
 MAX_NEW = 8
 QUESTION = "What is in the picture?"
 STEP_BUDGET = 64
+REPO = Path(__file__).resolve().parents[2]
 ENCODER_CACHE_IMAGES = STEP_BUDGET // NUM_IMAGE_TOKENS
 WAIT_S = 60.0  # bound on waiting for the server to settle (not a timing check)
 
@@ -60,6 +62,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         # One fetch attempt of at most 1 s for image URLs (the slow-host case).
         env.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "1")
         env.setenv("VLLM_MEDIA_FETCH_MAX_RETRIES", "1")
+        # The server imports the pacing logits processor from this repository.
+        env.setenv("PYTHONPATH", str(REPO), prepend=os.pathsep)
         yield from serve(
             tiny_llava_dir(),
             log_path,
@@ -67,6 +71,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             json.dumps({"image": 2}),
             "--max-num-batched-tokens",
             str(STEP_BUDGET),
+            "--max-model-len",  # the model's whole context: see LONG_STREAM_TOKENS
+            "2048",
+            "--logits-processors",  # pace_ms: see LONG_STREAM_TOKENS
+            "tests.e2e.custom_logitsprocs:PaceProcessor",
         )
 
 
@@ -219,7 +227,7 @@ BAD_REQUESTS = {
         "no image fills",
     ),
     "over-max-model-len": (
-        {"messages": _messages([OK_URL], "word " * 600)},
+        {"messages": _messages([OK_URL], "word " * 2200)},
         "maximum context length",
     ),
     "temperature": ({"messages": _messages([OK_URL]), "temperature": -1}, "temper"),
@@ -316,17 +324,29 @@ def _wait_for(server: Server, ok: Any, what: str) -> dict[str, float]:
         time.sleep(0.2)
 
 
+# The disconnected stream asks for nearly the tiny model's whole context
+# (2048) at 10 ms a step at least (tests.e2e.custom_logitsprocs.PaceProcessor):
+# 19 s or more of decoding, so it is still running when the test reads
+# /metrics and when the server notices the disconnect, however fast or loaded
+# the machine is.
+LONG_STREAM_TOKENS = 1900
+LONG_STREAM_PACE_MS = 10
+
+
 def test_disconnect_mid_stream_frees_kv_and_encoder_cache(server: Server) -> None:
     kv, running = "vllm:kv_cache_usage_perc", "vllm:num_requests_running"
     cache = "vllm_hpu_mm:encoder_cache_items"
     body = {
         "model": server.model,
         "messages": _messages([_png_url(1000)]),  # an image no other test sends
-        "max_tokens": 400,
+        "max_tokens": LONG_STREAM_TOKENS,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        "vllm_xargs": {"pace_ms": LONG_STREAM_PACE_MS},
     }
+    generated = "vllm:generation_tokens_total"
+    before = _metrics(server)[generated]
     with server.post("/v1/chat/completions", body, stream=True) as response:
         assert response.status_code == 200
         lines = response.iter_lines(decode_unicode=True)
@@ -334,8 +354,9 @@ def test_disconnect_mid_stream_frees_kv_and_encoder_cache(server: Server) -> Non
         assert any(line.startswith("data:") for line in seen), seen
         mid = _metrics(server)
         assert mid[kv] > 0 and mid[running] == 1, mid
-    # The connection is closed: vLLM aborts the request.
-    _wait_for(server, lambda m: m[kv] == 0 and m[running] == 0, "KV usage 0")
+    # The connection is closed: vLLM aborts the request, short of its tokens.
+    freed = _wait_for(server, lambda m: m[kv] == 0 and m[running] == 0, "KV usage 0")
+    assert 0 < freed[generated] - before < LONG_STREAM_TOKENS, (before, freed)
     # Fill the encoder cache with new images: the aborted request's entry must
     # be evictable, or a request would wait forever for encoder space.
     for variant in range(1001, 1001 + ENCODER_CACHE_IMAGES + 1):

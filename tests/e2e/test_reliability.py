@@ -71,10 +71,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             json.dumps({"image": 2}),
             "--max-num-batched-tokens",
             str(STEP_BUDGET),
-            "--max-model-len",  # the model's whole context: see LONG_STREAM_TOKENS
-            "2048",
             "--logits-processors",  # pace_ms: see LONG_STREAM_TOKENS
             "tests.e2e.custom_logitsprocs:PaceProcessor",
+            max_model_len=2048,  # the model's whole context: see LONG_STREAM_TOKENS
         )
 
 

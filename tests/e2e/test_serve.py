@@ -133,7 +133,9 @@ def server_compiles(server: Server) -> dict[str, float]:
     return compiles
 
 
-def serve(model_dir: str, log_path: Path, *extra_args: str) -> Iterator[Server]:
+def serve(
+    model_dir: str, log_path: Path, *extra_args: str, max_model_len: int = 512
+) -> Iterator[Server]:
     """Run ``vllm serve model_dir`` on a free loopback port until the generator
     is closed; then stop it and fail on any unexpected traceback in its log."""
     port = _free_port()
@@ -148,7 +150,7 @@ def serve(model_dir: str, log_path: Path, *extra_args: str) -> Iterator[Server]:
         "--dtype",
         "float32",
         "--max-model-len",
-        "512",
+        str(max_model_len),
         "--enforce-eager",
         "--max-num-seqs",
         "8",

@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the Qwen2.5-VL tower at the released depth (32 layers, 4 full "
         "attention) instead of the checkpoint's",
     )
+    parser.add_argument(
+        "--one-request-tile",
+        action="store_true",
+        help="what-if: the text steps whose prefill part is one request, with "
+        "that request's rows as one tile (not what the static plan runs)",
+    )
     args = parser.parse_args(argv)
     # vLLM's log lines (building the Qwen tower) go to stdout with its own
     # handler; without it, its warnings reach stderr and the table stays clean
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         copies = {}
         if not args.no_graph:
             copies = {w: count_compiled_copies(step, w) for w in ("custom", "plain")}
-        row = _row(count_step(step), copies)
+        row = _row(count_step(step, one_request_tile=args.one_request_tile), copies)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)

@@ -134,6 +134,29 @@ def test_fresh_prefill_computes_the_whole_square() -> None:
     assert c.exact.read("kv", "attention") == c.min_kv_bytes
 
 
+def test_tiles_reread_a_prompts_context_and_one_tile_reads_it_once() -> None:
+    # 512 rows of one request: 4 tiles of 128, each gathers the widest tile's
+    # blocks (all of them); the what-if lays the request out as one tile.
+    kw = {"max_num_batched_tokens": 512, "max_model_len": 1024}
+    step = TextStep("prefill", (512,), (512,))
+    tiles = count_step(step, M, block_size=BS, max_num_seqs=4, **kw)  # type: ignore[arg-type]
+    one = count_step(
+        step, M, block_size=BS, max_num_seqs=4, one_request_tile=True, **kw
+    )  # type: ignore[arg-type]
+    assert tiles.exact.read("kv", "attention") == 4 * tiles.min_kv_bytes
+    assert one.exact.read("kv", "attention") == one.min_kv_bytes
+    # the masked square either way: a causal kernel is what halves it
+    assert one.exact.flops["attention"] == tiles.exact.flops["attention"]
+    # two requests keep their tiles
+    two = TextStep("prefill", (256, 256), (256, 256))
+    kept = count_step(
+        two, M, block_size=BS, max_num_seqs=4, one_request_tile=True, **kw
+    )  # type: ignore[arg-type]
+    base = count_step(two, M, block_size=BS, max_num_seqs=4, **kw)  # type: ignore[arg-type]
+    assert kept.exact.read("kv", "attention") == base.exact.read("kv", "attention")
+    assert kept.exact.flops == base.exact.flops
+
+
 def test_mixed_step_reads_every_weight_twice() -> None:
     c = _small(TextStep("mixed", (1, 1, 20), (40, 9, 20)))
     assert c.passes == 2

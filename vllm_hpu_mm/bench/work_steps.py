@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hpu_kernels.attention import KVCache
+from vllm_hpu_mm.attention.layout import PREFILL_TILE
 from vllm_hpu_mm.bench.work import (
     WorkCounter,
     WorkCounts,
@@ -165,6 +166,13 @@ def block_layout(
     return table, np.concatenate(slots), first
 
 
+def shape_decodes(query_lens: np.ndarray) -> int:
+    """Decode requests of a step (one token each, leading)."""
+    from vllm_hpu_mm.attention.layout import count_leading_decodes
+
+    return count_leading_decodes(query_lens)
+
+
 def count_step(
     step: TextStep,
     m: ModelShape = ModelShape(),
@@ -174,9 +182,16 @@ def count_step(
     max_model_len: int = 8192,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    one_request_tile: bool = False,
 ) -> StepCount:
     """Runs ``step`` at its exact shape and at its default (exponential)
-    bucket, counting each."""
+    bucket, counting each.
+
+    ``one_request_tile``: a what-if, not what the static plan runs: a prefill
+    part of one request is laid out as one tile of all its rows (the metadata
+    builder's ``tile`` set to the part's row count) instead of
+    ``PREFILL_TILE``-row tiles; the bucket is the same (a request's widest tile
+    is its last, so the blocks it reads do not change)."""
     from vllm_hpu_mm.attention.metadata import exact_shape
     from vllm_hpu_mm.bucketing.buckets import Limits, default_buckets
     from vllm_hpu_mm.worker.shapes import ShapePolicy
@@ -194,7 +209,10 @@ def count_step(
     runs = []
     passes = 0
     for shape in (exact, bucket):
-        counts, passes = _run(step, layers, impl, m, shape, block_size, dtype)
+        tile = PREFILL_TILE
+        if one_request_tile and len(ql) - shape_decodes(ql) == 1:
+            tile = max(shape.num_prefill_tokens, 1)
+        counts, passes = _run(step, layers, impl, m, shape, block_size, dtype, tile)
         runs.append(counts)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     return StepCount(
@@ -222,6 +240,7 @@ def _run(
     shape: StepShape,
     block_size: int,
     dtype: torch.dtype,
+    tile: int = PREFILL_TILE,
 ) -> tuple[WorkCounts, int]:
     from vllm_hpu_mm.attention.metadata import build_metadata
     from vllm_hpu_mm.worker.inputs import step_passes
@@ -237,6 +256,7 @@ def _run(
         block_size,
         shape,
         torch.device("cpu"),  # type: ignore[arg-type]
+        tile=tile,
     )
     caches = [random_kv_cache(num_blocks, block_size, m, dtype) for _ in layers]
     counter = WorkCounter()

@@ -1,12 +1,11 @@
 """A real model (SmolLM2-135M-Instruct, real weights) through ``vllm.LLM``,
 compared with HF transformers on the same chat prompts.
 
-Built by ``make models`` (``tools.real_model``). Four engines, one
+Built by ``make models`` (``tools.real_model``). Five engines, one
 each: bfloat16 in graph mode (Inductor, chunked prefill in 16-token chunks),
-bfloat16 eager (no chunking), and the static plan (Gaudi's path) in float32
-and bfloat16 (16-token chunks); and ``vllm serve`` (float32, eager, 16-token
-chunks), which answers the chat question and the float32 prompts of the
-``vllm.LLM`` engines, sent at once so they share steps.
+bfloat16 eager (no chunking), float32 eager (16-token chunks), and the static
+plan (Gaudi's path) in float32 and bfloat16 (16-token chunks); and ``vllm
+serve`` (float32) answering the chat question.
 
 - float32: every generated token is HF float32's greedy choice on the same
   prefix (teacher-forced: one HF forward per sequence), so the sequences are
@@ -33,7 +32,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +205,12 @@ def bf16_eager(prompts: list[list[int]]) -> Iterator[Run]:
         yield _run(llm, prompts)
 
 
+@pytest.fixture(scope="module")
+def f32_eager(prompts: list[list[int]]) -> Iterator[Run]:
+    for llm in engine_lifetime(_engine("float32", 16, None)):
+        yield _run(llm, prompts)
+
+
 @functools.cache
 def _hf_model(dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
@@ -305,35 +309,8 @@ def check_float32(run: Run) -> None:
     assert "Paris" in run.text[0], run.text[0]
 
 
-def _served_completion(server: Any, prompt: list[int], max_tokens: int) -> Any:
-    body = {
-        "model": server.model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    reply = server.post("/v1/completions", body)
-    assert reply.status_code == 200, reply.text
-    return reply.json()["choices"][0]
-
-
-def test_float32_is_hf_greedy_and_says_paris(
-    server: Any, prompts: list[list[int]]
-) -> None:
-    """float32, eager, chunked prefill in 16-token chunks (the server's
-    settings): the prompts sent at once, so they prefill and decode in shared
-    steps."""
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        done = list(
-            pool.map(
-                lambda i: _served_completion(server, prompts[i], QUESTIONS[i][1]),
-                range(len(prompts)),
-            )
-        )
-    run = Run(prompts, [c["token_ids"] for c in done], [], [c["text"] for c in done])
-    check_float32(run)
+def test_float32_is_hf_greedy_and_says_paris(f32_eager: Run) -> None:
+    check_float32(f32_eager)
 
 
 def test_float32_static_plan_is_hf_greedy_and_says_paris(f32_static: Run) -> None:
@@ -359,19 +336,11 @@ def test_bf16_eager_logprobs_match_hf(bf16_eager: Run, tally: Bf16Tally) -> None
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """``vllm serve`` on the real model (float32, eager: the serving path),
-    prefilling in 16-token chunks, 4 sequences at a time."""
+    """``vllm serve`` on the real model (float32, eager: the serving path)."""
     from tests.e2e.test_serve import serve
 
     log = tmp_path_factory.mktemp("smollm2-serve") / "server.log"
-    yield from serve(
-        str(MODEL_DIR),
-        log,
-        "--max-num-batched-tokens",
-        "16",
-        "--max-num-seqs",
-        "4",
-    )
+    yield from serve(str(MODEL_DIR), log)
 
 
 def test_served_chat_is_hf_greedy_and_says_paris(server: Any) -> None:

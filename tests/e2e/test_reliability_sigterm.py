@@ -11,9 +11,11 @@ server here is started without the flag.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,18 +27,30 @@ from vllm_hpu_mm.platform_config import DEFAULT_SHUTDOWN_DRAIN_S as DRAIN_S
 pytestmark = pytest.mark.e2e
 
 NUM_STREAMS = 3
-MAX_NEW = 400  # long enough to be in flight when SIGTERM arrives
+# Each stream decodes at 50 ms a step at least (the pacing logits processor,
+# tests/e2e/custom_logitsprocs.py): 120 tokens take 6 s or more, so every
+# stream is still in flight when SIGTERM arrives, and on a loaded machine
+# (the tiny LLaVA eager at about 12 tokens/s a stream under two test workers)
+# about 10 s, well inside the drain's DRAIN_S. Token counts alone cannot hold
+# both: 400 tokens outran the 30 s drain under load.
+MAX_NEW = 120
+PACE_MS = 50
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("sigterm") / "server.log"
-    yield from serve(
-        tiny_llava_dir(),
-        log_path,
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 1}),
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(REPO), prepend=os.pathsep)
+        yield from serve(
+            tiny_llava_dir(),
+            log_path,
+            "--limit-mm-per-prompt",
+            json.dumps({"image": 1}),
+            "--logits-processors",
+            "tests.e2e.custom_logitsprocs:PaceProcessor",
+        )
 
 
 def _body(server: Server, i: int) -> dict[str, Any]:
@@ -52,6 +66,7 @@ def _body(server: Server, i: int) -> dict[str, Any]:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "vllm_xargs": {"pace_ms": PACE_MS},
     }
 
 

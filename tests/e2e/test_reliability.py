@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import socket
 import threading
 import time
@@ -50,7 +49,6 @@ pytestmark = pytest.mark.e2e
 MAX_NEW = 8
 QUESTION = "What is in the picture?"
 STEP_BUDGET = 64
-REPO = Path(__file__).resolve().parents[2]
 ENCODER_CACHE_IMAGES = STEP_BUDGET // NUM_IMAGE_TOKENS
 WAIT_S = 60.0  # bound on waiting for the server to settle (not a timing check)
 
@@ -62,8 +60,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         # One fetch attempt of at most 1 s for image URLs (the slow-host case).
         env.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "1")
         env.setenv("VLLM_MEDIA_FETCH_MAX_RETRIES", "1")
-        # The server imports the pacing logits processor from this repository.
-        env.setenv("PYTHONPATH", str(REPO), prepend=os.pathsep)
         yield from serve(
             tiny_llava_dir(),
             log_path,
@@ -71,9 +67,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             json.dumps({"image": 2}),
             "--max-num-batched-tokens",
             str(STEP_BUDGET),
-            "--logits-processors",  # pace_ms: see LONG_STREAM_TOKENS
-            "tests.e2e.custom_logitsprocs:PaceProcessor",
             max_model_len=2048,  # the model's whole context: see LONG_STREAM_TOKENS
+            pacing=True,  # pace_ms: see LONG_STREAM_TOKENS
         )
 
 

@@ -11,11 +11,9 @@ server here is started without the flag.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,22 +33,18 @@ NUM_STREAMS = 3
 # both: 400 tokens outran the 30 s drain under load.
 MAX_NEW = 120
 PACE_MS = 50
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("sigterm") / "server.log"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", str(REPO), prepend=os.pathsep)
-        yield from serve(
-            tiny_llava_dir(),
-            log_path,
-            "--limit-mm-per-prompt",
-            json.dumps({"image": 1}),
-            "--logits-processors",
-            "tests.e2e.custom_logitsprocs:PaceProcessor",
-        )
+    yield from serve(
+        tiny_llava_dir(),
+        log_path,
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 1}),
+        pacing=True,
+    )
 
 
 def _body(server: Server, i: int) -> dict[str, Any]:

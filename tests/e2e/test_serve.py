@@ -135,11 +135,27 @@ def server_compiles(server: Server) -> dict[str, float]:
     return compiles
 
 
+PACE_PROCESSOR = "tests.e2e.custom_logitsprocs:PaceProcessor"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def serve(
-    model_dir: str, log_path: Path, *extra_args: str, max_model_len: int = 512
+    model_dir: str,
+    log_path: Path,
+    *extra_args: str,
+    max_model_len: int = 512,
+    pacing: bool = False,
 ) -> Iterator[Server]:
     """Run ``vllm serve model_dir`` on a free loopback port until the generator
-    is closed; then stop it and fail on any unexpected traceback in its log."""
+    is closed; then stop it and fail on any unexpected traceback in its log.
+    ``pacing``: load the pacing logits processor (``vllm_xargs: {"pace_ms":
+    n}`` holds a request at n ms a step, ``tests/e2e/custom_logitsprocs.py``),
+    imported by the server from this repository."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if pacing:
+        extra_args = (*extra_args, "--logits-processors", PACE_PROCESSOR)
+        path = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *([path] if path else [])])
     port = _free_port()
     cmd = [
         *_vllm_command(),
@@ -165,7 +181,7 @@ def serve(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=env,
             start_new_session=True,
         )
     srv = Server(f"http://{HOST}:{port}", model_dir, proc, log_path)

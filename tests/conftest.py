@@ -58,23 +58,6 @@ def tiny_idefics3_dir() -> str:
     return _tiny_model_dir("tiny-idefics3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_dynamo_per_module() -> None:
-    """Each module starts with Dynamo's caches empty. Engines on the CPU run
-    in forked processes, which inherit what this process compiled: after a
-    module that ran an engine in process (``test_warmup_static_sampler``)
-    compiled vLLM's logprob-rank helper, a later module's forked engine found
-    it compiled and warmed one graph fewer than it counts. Which modules share
-    a process depends on the order, and under two xdist workers the order
-    changes from run to run."""
-    import sys
-
-    if "torch._dynamo" in sys.modules:
-        import torch._dynamo
-
-        torch._dynamo.reset()
-
-
 # Modules that must not run at the same time as each other under pytest-xdist
 # (``make test TEST_WORKERS=2``): each starts a local Ray cluster, and two
 # clusters on one host compete for Ray's fixed default ports.

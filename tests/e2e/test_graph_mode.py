@@ -63,7 +63,15 @@ def llm(
     tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[object]:
     # Gaudi's path (the CPU's default is dynamic: test_graph_mode_opaque.py).
-    engine = graph_mode_llm(tiny_llama_dir, write_buckets(tmp_path_factory), "static")
+    # A spawned engine process: a forked one inherits what the pytest process
+    # compiled before (vLLM's logprob-rank helper, by an engine an earlier
+    # module ran in process), and the exact warmup count below then came out
+    # one short under two xdist workers.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        engine = graph_mode_llm(
+            tiny_llama_dir, write_buckets(tmp_path_factory), "static"
+        )
     yield engine
     del engine
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hpu_kernels.attention import KVCache
-from vllm_hpu_mm.attention.layout import PREFILL_TILE
+from vllm_hpu_mm.attention.layout import PREFILL_TILE, count_leading_decodes
 from vllm_hpu_mm.bench.work import (
     WorkCounter,
     WorkCounts,
@@ -166,13 +166,6 @@ def block_layout(
     return table, np.concatenate(slots), first
 
 
-def shape_decodes(query_lens: np.ndarray) -> int:
-    """Decode requests of a step (one token each, leading)."""
-    from vllm_hpu_mm.attention.layout import count_leading_decodes
-
-    return count_leading_decodes(query_lens)
-
-
 def count_step(
     step: TextStep,
     m: ModelShape = ModelShape(),
@@ -208,10 +201,9 @@ def count_step(
     layers = layers.to(dtype).eval()
     runs = []
     passes = 0
+    one_tile = one_request_tile and len(ql) - count_leading_decodes(ql) == 1
     for shape in (exact, bucket):
-        tile = PREFILL_TILE
-        if one_request_tile and len(ql) - shape_decodes(ql) == 1:
-            tile = max(shape.num_prefill_tokens, 1)
+        tile = max(shape.num_prefill_tokens, 1) if one_tile else PREFILL_TILE
         counts, passes = _run(step, layers, impl, m, shape, block_size, dtype, tile)
         runs.append(counts)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()

@@ -59,7 +59,7 @@ def tiny_idefics3_dir() -> str:
 
 
 # Modules that must not run at the same time as each other under pytest-xdist
-# (``make test TEST_WORKERS=2``): each starts a local Ray cluster, and two
+# (``make test`` runs two workers): each starts a local Ray cluster, and two
 # clusters on one host compete for Ray's fixed default ports.
 _SERIAL_GROUPS = {
     "test_ray_pp": "ray",
@@ -69,7 +69,7 @@ _SERIAL_GROUPS = {
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under pytest-xdist (``make test TEST_WORKERS=2``) a module's tests
+    """Under pytest-xdist (``make test`` runs two workers) a module's tests
     stay on one worker, so its shared engines start once; the modules of
     ``_SERIAL_GROUPS`` share a worker and run one after the other. (xdist's
     own ``loadgroup`` cannot do this under pytest 9: it renames test ids

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.fresh_interpreter import REPO_ROOT
 from tests.hf_reference import hf_greedy, load_hf_tokenizer
 from vllm_hpu_mm.bucketing.record import STEP_SHAPE_EDGES
 
@@ -136,7 +137,6 @@ def server_compiles(server: Server) -> dict[str, float]:
 
 
 PACE_PROCESSOR = "tests.e2e.custom_logitsprocs:PaceProcessor"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def serve(

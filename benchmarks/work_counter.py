@@ -202,10 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         "attention) instead of the checkpoint's",
     )
     parser.add_argument(
-        "--one-request-tile",
+        "--prefill-tiles",
         action="store_true",
-        help="what-if: the text steps whose prefill part is one request, with "
-        "that request's rows as one tile (not what the static plan runs)",
+        help="every prefill part in 128-row tiles, as with "
+        "bucketing.prefill_one_request false (default: a one-request part "
+        "in its own form, as the static plan runs it)",
     )
     args = parser.parse_args(argv)
     # vLLM's log lines (building the Qwen tower) go to stdout with its own
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         copies = {}
         if not args.no_graph:
             copies = {w: count_compiled_copies(step, w) for w in ("custom", "plain")}
-        row = _row(count_step(step, one_request_tile=args.one_request_tile), copies)
+        row = _row(count_step(step, prefill_forms=not args.prefill_tiles), copies)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)

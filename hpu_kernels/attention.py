@@ -281,6 +281,43 @@ def prefill_attention(
     return out.transpose(1, 2).reshape(num_tiles * tile, num_heads, head)[:num_tokens]
 
 
+def causal_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: KVCache,
+    blocks: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sdpa: SdpaFn = F.scaled_dot_product_attention,
+) -> torch.Tensor:
+    """Causal attention of one fresh request's prompt (FusedSDPA's prompt form).
+
+    query: [T, H, D], row i at position i (rows past the request's are padding;
+    their outputs are garbage, never NaN: each sees key 0); blocks: [1, NB]
+    int64 the request's blocks in order (NB * BS >= T), gathered once. Without
+    a sliding window SDPA's own causal mask (``is_causal``), whose kernels skip
+    the keys above the diagonal; with one, a banded mask built from the rows.
+    The current tokens' own K/V must already be written (``write_kv``).
+    Returns [T, H, D].
+    """
+    num_tokens, num_heads, _ = query.shape
+    keys, values = _gather_blocks(kv_cache, blocks)  # [1, Hkv, NB * BS, D]
+    mask = None
+    if sliding_window is not None:
+        pos = torch.arange(num_tokens, device=query.device)
+        rel = pos[:, None] - pos[None, :]  # query minus key position
+        mask = ((rel >= 0) & (rel < sliding_window))[None, None]  # [1, 1, T, T]
+    out = sdpa(
+        query.transpose(0, 1)[None],  # [1, H, T, D]
+        read_keys(kv_cache, keys[:, :, :num_tokens], query.dtype),
+        read_values(kv_cache, values[:, :, :num_tokens], query.dtype),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_heads != keys.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
 def decode_attention(
     query: torch.Tensor,
     kv_cache: KVCache,

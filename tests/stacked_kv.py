@@ -34,6 +34,7 @@ def _on_stacked(kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 write_kv = _on_stacked(attention.write_kv)
 prefill_attention = _on_stacked(attention.prefill_attention)
+causal_prefill_attention = _on_stacked(attention.causal_prefill_attention)
 decode_attention = _on_stacked(attention.decode_attention)
 batched_decode_attention = _on_stacked(attention.batched_decode_attention)
 request_prefill_attention = _on_stacked(attention.request_prefill_attention)

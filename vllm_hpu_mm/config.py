@@ -300,6 +300,13 @@ class BucketingConfig(_Section):
     fallback_max_pad_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """For a shape that no warmed-up bucket fits: pad it to at most this many times its
     real size. A shape beyond that runs at a new size, compiled on first use."""
+    prefill_one_request: bool = True
+    """Static plan: a step whose prefill rows are one request's (above one 128-row
+    tile) runs them as one tile, so the request's K/V is gathered once instead of
+    once a tile, and a fresh prompt runs SDPA's causal form (FusedSDPA
+    `is_causal`), skipping the masked half of its scores. Each form is a graph of
+    its own, so warmup compiles more shapes (`vllm-hpu-mm buckets show` counts
+    them); `false` keeps every prefill part in 128-row tiles."""
     record_steps: str | None = None
     """File to append each served step's exact shape to, one JSON object a line (the
     first rank writes; warmup is not recorded). `vllm-hpu-mm buckets plan --samples

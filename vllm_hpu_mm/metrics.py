@@ -37,6 +37,12 @@ BUCKET_SCHEDULED_TOKENS = Counter(
     "Real tokens, by the step's token bucket (padded token rows).",
     ["bucket"],
 )
+PREFILL_FORM_STEPS = Counter(
+    PREFIX + "prefill_form_steps",
+    "Steps with prefill rows, by the form their bucket runs them in: tiles, "
+    "request (one request's rows as one tile) or causal (one fresh prompt).",
+    ["form"],
+)
 FALLBACK_BUCKETS = Counter(
     PREFIX + "fallback_buckets",
     "Steps whose shape fitted no prepared bucket and took the fallback size.",

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.stacked_kv import (
     batched_decode_attention,
+    causal_prefill_attention,
     decode_attention,
     prefill_attention,
     request_prefill_attention,
@@ -28,6 +29,7 @@ from tests.stacked_kv import (
 )
 from vllm_hpu_mm.attention.layout import (
     batched_decode_table,
+    causal_blocks,
     flat_decode,
     prefill_context_blocks,
     prefill_tiles,
@@ -301,6 +303,59 @@ def test_prefill_matches_reference(
     assert out.shape == query.shape
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("pad_rows", [0, 5])
+@pytest.mark.parametrize("window", [None, 5, 11])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_causal_prefill_matches_reference(
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    pad_rows: int,
+) -> None:
+    """One fresh request (``causal`` form): its blocks gathered once, SDPA's
+    causal mask (a banded one with a window); padding rows change nothing."""
+    cache, reqs = make_scenario([(0, 23)], block_size, num_heads, num_kv_heads)
+    write_step(cache, reqs, pad_rows=pad_rows)
+    (req,) = reqs
+    scale = 1 / math.sqrt(HEAD)
+    pad = torch.full((pad_rows, num_heads, HEAD), 7.0)
+    query = torch.cat([req.queries, pad])
+    blocks = causal_blocks(
+        np.array([req.seq_len]), block_table_of(reqs), block_size, query.shape[0]
+    )
+    out = causal_prefill_attention(
+        query, cache, torch.from_numpy(blocks), scale, sliding_window=window
+    )
+    assert out.shape == query.shape
+    assert torch.isfinite(out).all()  # padding rows too
+    expected = reference_for(reqs, scale, window)
+    torch.testing.assert_close(out[:23].double(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_causal_prefill_calls_sdpa_causal_without_a_mask() -> None:
+    """The causal form hands the kernel ``is_causal`` (FusedSDPA's prompt form,
+    whose kernels skip the masked half) and no mask; a window needs one."""
+    cache, reqs = make_scenario([(0, 9)], 4, 4, 2)
+    write_step(cache, reqs)
+    blocks = torch.from_numpy(causal_blocks(np.array([9]), block_table_of(reqs), 4, 9))
+    calls: list[tuple[bool, bool]] = []
+
+    def sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):  # type: ignore[no-untyped-def]
+        calls.append((attn_mask is None, is_causal))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+    causal_prefill_attention(reqs[0].queries, cache, blocks, 0.3, sdpa=sdpa)
+    causal_prefill_attention(
+        reqs[0].queries, cache, blocks, 0.3, sliding_window=3, sdpa=sdpa
+    )
+    assert calls == [(True, True), (False, False)]
 
 
 def per_request(

@@ -4,6 +4,7 @@ and the metadata driving the kernels end to end against a per-request reference.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,11 +18,13 @@ from vllm_hpu_mm.attention.backend import HpuMMAttentionImpl
 from vllm_hpu_mm.attention.metadata import (
     DynamicAttentionMetadata,
     FlatDecodeInputs,
+    PrefillCausalInputs,
     PrefillRequests,
     PrefillTileInputs,
     StaticAttentionMetadata,
     StepShape,
     build_metadata,
+    check_fits,
     count_leading_decodes,
     exact_shape,
     split_metadata,
@@ -417,22 +420,44 @@ def reference_attention(
     return out
 
 
+# (computed, query) per request, decodes first: several prefill requests
+# (tiles), one fresh prompt (``causal`` above one 4-row tile), one chunk after
+# context (``request``).
+STEP_SPECS = {
+    "several": [(4, 1), (20, 1), (0, 1), (0, 9), (7, 5), (33, 2)],
+    "fresh": [(4, 1), (20, 1), (0, 1), (0, 9)],
+    "chunk": [(4, 1), (20, 1), (0, 1), (7, 5)],
+}
+
+
+@pytest.mark.parametrize(
+    ("step", "bucket_form"),
+    [
+        ("several", "tiles"),
+        ("fresh", "causal"),
+        ("fresh", "request"),
+        ("fresh", "tiles"),
+        ("chunk", "request"),
+        ("chunk", "tiles"),
+    ],
+)
 @pytest.mark.parametrize("kind", ["static", "dynamic"])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_metadata_drives_the_backend_like_the_reference(
-    block_size: int, window: int | None, kind: str
+    block_size: int, window: int | None, kind: str, step: str, bucket_form: str
 ) -> None:
     """A mixed step (decodes + chunked prefills), padded, through the backend's
     forward (K/V write, decode and prefill kernels). Static: flat decode and
-    tiles over the whole bucket (as a traced graph runs it), whole and split
-    into two passes; dynamic: the real decode rows and blocks only and the
-    prefill requests one by one (eager attention off Gaudi)."""
+    the prefill part in the bucket's form (``tiles``; one request's rows as
+    one tile, ``request``; a fresh prompt's causal SDPA, ``causal``) over the
+    whole bucket (as a traced graph runs it), whole and split into two passes;
+    dynamic: the real decode rows and blocks only and the prefill requests one
+    by one (eager attention off Gaudi)."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head = 4, 2, 8
     scale = 0.35
-    # (computed, query) per request, decodes first.
-    specs = [(4, 1), (20, 1), (0, 1), (0, 9), (7, 5), (33, 2)]
+    specs = STEP_SPECS[step]
     q = np.array([n for _, n in specs], np.int64)
     seq = np.array([c + n for c, n in specs], np.int64)
     blocks = [math.ceil(s / block_size) for s in seq]
@@ -465,11 +490,15 @@ def test_metadata_drives_the_backend_like_the_reference(
 
     form = "flat" if kind == "static" else "batched"
     real = exact_shape(q, seq, block_size, form, tile=4)  # type: ignore[arg-type]
+    assert real.prefill_form == {"several": "tiles", "fresh": "causal"}.get(
+        step, "request"
+    )
     shape = StepShape(
         real.num_decodes + 2,
         real.decode_blocks + 1,
         real.num_prefill_tokens + 3,
-        real.prefill_blocks + 2,
+        0 if bucket_form == "causal" else real.prefill_blocks + 2,
+        bucket_form,  # type: ignore[arg-type]
     )
     md = build_metadata(
         q,
@@ -516,6 +545,17 @@ def test_metadata_drives_the_backend_like_the_reference(
         assert (whole[real.num_decodes : md.num_decodes] == 0).all()
     else:  # the same step as two passes (decode rows, then prefill rows)
         assert isinstance(md, StaticAttentionMetadata)
+        if bucket_form == "causal":
+            assert isinstance(md.prefill, PrefillCausalInputs)
+            assert md.prefill.blocks.shape == (
+                1,
+                -(-shape.num_prefill_tokens // block_size),
+            )
+        else:
+            assert isinstance(md.prefill, PrefillTileInputs)
+            n_pre = shape.num_prefill_tokens
+            tiles = 1 if bucket_form == "request" else -(-n_pre // 4)
+            assert md.prefill.mask.shape[0] == tiles
         split_cache = kv_cache_of_stacked(cache.clone())
         dec, pre = split_metadata(md)
         nd = md.num_decodes
@@ -605,3 +645,61 @@ def test_traced_decode_runs_the_whole_bucket(monkeypatch: pytest.MonkeyPatch) ->
     compiled(kv_cache_of_stacked(cache.clone()), static)
     compiled(kv_cache_of_stacked(cache.clone()), one)
     assert counter.frame_count == 1
+
+
+# ----------------------------------------------------------------------------
+# Prefill forms: which a step takes, which bucket runs it
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "seq", "spans", "form"),
+    [
+        ([9], [9], None, "causal"),  # a fresh prompt above one tile
+        ([9], [15], None, "request"),  # a chunk after context
+        ([4], [4], None, "tiles"),  # fits one tile anyway
+        ([5, 4], [5, 4], None, "tiles"),  # two requests
+        ([1, 1, 9], [6, 3, 9], None, "causal"),  # decodes do not count
+        ([9], [9], [(0, 0)] * 9, "causal"),  # spans given, none active
+        ([9], [9], [(0, 0)] * 3 + [(3, 6)] * 3 + [(0, 0)] * 3, "request"),
+    ],
+)
+def test_natural_prefill_form(
+    query: list[int], seq: list[int], spans: list[tuple[int, int]] | None, form: str
+) -> None:
+    s = None if spans is None else np.array(spans, np.int64)
+    q, sl = np.array(query, np.int64), np.array(seq, np.int64)
+    assert exact_shape(q, sl, BS, tile=4, spans=s).prefill_form == form
+
+
+def test_buckets_run_their_forms_and_the_causal_bucket_only_fresh_prompts() -> None:
+    q, fresh, chunk = np.array([9]), np.array([9]), np.array([15])
+    causal = exact_shape(q, fresh, BS, tile=4)
+    request = exact_shape(q, chunk, BS, tile=4)
+    assert (causal.prefill_blocks, request.prefill_blocks) == (3, 4)
+    for real in (causal, request):
+        check_fits(real, dataclasses.replace(real, prefill_form="tiles"))
+        check_fits(real, dataclasses.replace(real, prefill_form="request"))
+    # the causal bucket gathers its rows' blocks: no block axis
+    check_fits(causal, StepShape(0, 0, 12, 0, "causal"))
+    with pytest.raises(
+        ValueError, match="'request' prefill part cannot run in a 'causal'"
+    ):
+        check_fits(request, StepShape(0, 0, 12, 0, "causal"))
+    tiles = dataclasses.replace(request, prefill_form="tiles")
+    with pytest.raises(ValueError, match="'tiles' prefill part cannot run"):
+        check_fits(tiles, dataclasses.replace(request, prefill_form="request"))
+
+
+def test_shape_policy_keeps_the_form_or_tiles_every_part() -> None:
+    from vllm_hpu_mm.bucketing.buckets import Limits, default_buckets
+    from vllm_hpu_mm.worker.shapes import ShapePolicy
+
+    buckets = default_buckets(Limits(8, 512, 512, 16), "exponential")
+    causal = exact_shape(np.array([300]), np.array([300]), 16)
+    request = exact_shape(np.array([300]), np.array([400]), 16)
+    on, off = ShapePolicy(buckets), ShapePolicy(buckets, prefill_forms=False)
+    assert on(causal, 1)[0] == StepShape(0, 0, 512, 0, "causal")
+    assert on(request, 1)[0].prefill_form == "request"
+    assert on(request, 1)[0].prefill_blocks >= request.prefill_blocks
+    assert {off(s, 1)[0].prefill_form for s in (causal, request)} == {"tiles"}

@@ -26,6 +26,7 @@ from vllm_hpu_mm.bucketing.buckets import (
     exponential,
     fallback_size,
     linear,
+    one_request_shapes,
     padding_ratio,
     smallest_fit,
     step_shapes,
@@ -639,3 +640,9 @@ def test_every_real_step_pads_to_a_warmed_shape(data: st.DataObject, form: str) 
         assert (p.num_decodes, p.decode_blocks) in decode
     if p.prefill_tokens:
         assert (p.prefill_tokens, p.prefill_blocks) in prefill
+    # a one-request part in its own form (bucketing.prefill_one_request)
+    one = one_request_shapes(b, limits, prefill_tile=32)
+    if real.prefill_form == "causal":
+        assert (p.prefill_tokens, 0, "causal") in one
+    elif real.prefill_form == "request":
+        assert (p.prefill_tokens, p.prefill_blocks, "request") in one

@@ -134,25 +134,34 @@ def test_fresh_prefill_computes_the_whole_square() -> None:
     assert c.exact.read("kv", "attention") == c.min_kv_bytes
 
 
-def test_tiles_reread_a_prompts_context_and_one_tile_reads_it_once() -> None:
-    # 512 rows of one request: 4 tiles of 128, each gathers the widest tile's
-    # blocks (all of them); the what-if lays the request out as one tile.
-    kw = {"max_num_batched_tokens": 512, "max_model_len": 1024}
-    step = TextStep("prefill", (512,), (512,))
-    tiles = count_step(step, M, block_size=BS, max_num_seqs=4, **kw)  # type: ignore[arg-type]
-    one = count_step(
-        step, M, block_size=BS, max_num_seqs=4, one_request_tile=True, **kw
-    )  # type: ignore[arg-type]
+def test_one_request_forms_read_its_kv_once_and_a_fresh_prompt_the_triangle() -> None:
+    # 512 rows of one request. In 128-row tiles (prefill_forms off) each of the
+    # 4 tiles gathers the widest tile's blocks (all of them) and computes the
+    # masked square; in its own form the request's blocks are gathered once.
+    kw = {"max_num_batched_tokens": 512, "max_model_len": 1024, "max_num_seqs": 4}
+    fresh = TextStep("prefill", (512,), (512,))
+    tiles = count_step(fresh, M, block_size=BS, prefill_forms=False, **kw)  # type: ignore[arg-type]
+    causal = count_step(fresh, M, block_size=BS, **kw)  # type: ignore[arg-type]
+    assert causal.exact_shape.prefill_form == "causal"
     assert tiles.exact.read("kv", "attention") == 4 * tiles.min_kv_bytes
+    assert causal.exact.read("kv", "attention") == causal.min_kv_bytes
+    # tiles: the square; the causal form: each row's own keys, the minimum
+    square = M.layers * 4 * M.heads * M.head_size * 512 * 512
+    assert tiles.exact.flops["attention"] == square
+    assert causal.exact.flops["attention"] == causal.min_attention_flops
+    # a chunk after 512 tokens of context: one tile over all 64 blocks, once
+    chunk = TextStep("chunk", (512,), (1024,))
+    one = count_step(chunk, M, block_size=BS, **kw)  # type: ignore[arg-type]
+    tiled = count_step(chunk, M, block_size=BS, prefill_forms=False, **kw)  # type: ignore[arg-type]
+    assert one.exact_shape.prefill_form == "request"
     assert one.exact.read("kv", "attention") == one.min_kv_bytes
-    # the masked square either way: a causal kernel is what halves it
-    assert one.exact.flops["attention"] == tiles.exact.flops["attention"]
+    assert tiled.exact.read("kv", "attention") == 4 * tiled.min_kv_bytes
+    assert one.exact.flops["attention"] == tiled.exact.flops["attention"]
     # two requests keep their tiles
     two = TextStep("prefill", (256, 256), (256, 256))
-    kept = count_step(
-        two, M, block_size=BS, max_num_seqs=4, one_request_tile=True, **kw
-    )  # type: ignore[arg-type]
-    base = count_step(two, M, block_size=BS, max_num_seqs=4, **kw)  # type: ignore[arg-type]
+    kept = count_step(two, M, block_size=BS, **kw)  # type: ignore[arg-type]
+    base = count_step(two, M, block_size=BS, prefill_forms=False, **kw)  # type: ignore[arg-type]
+    assert kept.exact_shape.prefill_form == "tiles"
     assert kept.exact.read("kv", "attention") == base.exact.read("kv", "attention")
     assert kept.exact.flops == base.exact.flops
 

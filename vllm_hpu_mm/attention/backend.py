@@ -37,6 +37,7 @@ from hpu_kernels.attention import (
     KVCache,
     SdpaFn,
     batched_decode_attention,
+    causal_prefill_attention,
     decode_attention,
     dense_decode_attention,
     prefill_attention,
@@ -55,6 +56,7 @@ from vllm_hpu_mm.attention.metadata import (
     DECODE_FORM,
     DynamicAttentionMetadata,
     HpuMMAttentionMetadata,
+    PrefillCausalInputs,
     PrefillRequests,
     PrefillTileInputs,
     StaticAttentionMetadata,
@@ -227,7 +229,16 @@ class HpuMMAttentionImpl(AttentionImpl[HpuMMAttentionMetadata]):
                 self.scale,
                 self.sliding_window,
             )
-        if md.prefill is not None:
+        if isinstance(md.prefill, PrefillCausalInputs):
+            output[n_dec : n_dec + n_pre] = causal_prefill_attention(
+                query[n_dec : n_dec + n_pre],
+                kv_cache,
+                md.prefill.blocks,
+                self.scale,
+                self.sliding_window,
+                sdpa=self.sdpa,
+            )
+        elif md.prefill is not None:
             output[n_dec : n_dec + n_pre] = self._tiles(
                 query[n_dec : n_dec + n_pre], kv_cache, md.prefill
             )

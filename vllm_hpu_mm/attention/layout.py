@@ -40,6 +40,22 @@ PREFILL_TILE = 128
 """Prefill rows per attention tile. Larger tiles gather each request's context
 fewer times; smaller ones let a tile read fewer other requests' keys."""
 
+PrefillForm = Literal["tiles", "request", "causal"]
+"""How a step's prefill rows run attention (``StepShape.prefill_form``):
+
+- ``tiles``: any prefill part: ``NT`` tiles of ``tq`` rows, each gathering the
+  blocks of the requests with rows in it (``prefill_blocks``: the widest
+  tile's);
+- ``request``: a part of one request: one tile of all its rows, so the
+  request's blocks (``prefill_blocks``: all of them) are gathered once;
+- ``causal``: a part of one fresh request (no context before this step, no
+  bidirectional spans): its rows' own blocks gathered once and SDPA's causal
+  mask (``is_causal``, FusedSDPA's prompt form), so the kernel skips the
+  masked half; ``prefill_blocks`` is 0 (the gather covers the bucket's rows).
+
+``request`` and ``causal`` are keyed apart from ``tiles``, so each is a graph
+of its own (``bucketing.buckets.one_request_shapes``)."""
+
 DecodeForm = Literal["flat", "batched"]
 """``flat``: the decode rows' real blocks as one list (``decode_blocks`` is the
 list's length); ``batched``: a ``[num_decodes, decode_blocks]`` block table."""
@@ -59,6 +75,7 @@ class StepShape:
     decode_blocks: int  # flat: blocks of all decode rows; batched: table width
     num_prefill_tokens: int  # flattened prefill tokens
     prefill_blocks: int  # context blocks read by one prefill tile (widest tile)
+    prefill_form: PrefillForm = "tiles"  # see PrefillForm
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +89,9 @@ class StepShape:
         return StepShape(self.num_decodes, self.decode_blocks, 0, 0)
 
     def prefill_part(self) -> StepShape:
-        return StepShape(0, 0, self.num_prefill_tokens, self.prefill_blocks)
+        return StepShape(
+            0, 0, self.num_prefill_tokens, self.prefill_blocks, self.prefill_form
+        )
 
 
 def tile_rows(num_prefill_tokens: int, tile: int = PREFILL_TILE) -> tuple[int, int]:
@@ -248,6 +267,20 @@ def prefill_tiles(
     )
 
 
+def causal_blocks(
+    seq_lens: np.ndarray, block_table: np.ndarray, block_size: int, num_tokens: int
+) -> np.ndarray:
+    """[1, ceil(num_tokens / BS)] int64: the blocks of a ``causal`` prefill
+    part (one fresh request, ``seq_lens`` [1] or [0] on a padding-only step):
+    its blocks in order, then PAD_BLOCK."""
+    width = -(-num_tokens // block_size)
+    out = np.full((1, width), PAD_BLOCK, np.int64)
+    if seq_lens.size:
+        n = -(-int(seq_lens[0]) // block_size)
+        out[0, :n] = block_table[0, :n]
+    return out
+
+
 def _span_columns(
     spans: np.ndarray,
     row_req: np.ndarray,
@@ -349,10 +382,13 @@ def exact_shape(
     spans: np.ndarray | None = None,
 ) -> StepShape:
     """The unpadded StepShape of a batch ordered decodes first (``spans``:
-    [sum(query_lens), 2] bidirectional spans of the real tokens, or None)."""
+    [sum(query_lens), 2] bidirectional spans of the real tokens, or None).
+    Its ``prefill_blocks`` are the widest tile's (for one request: all its
+    blocks) whatever its ``prefill_form`` (``natural_prefill_form``)."""
     num_decodes = count_leading_decodes(query_lens)
     blocks = -(-seq_lens // block_size)
     dec = blocks[:num_decodes]
+    pre_spans = prefill_spans(query_lens, num_decodes, spans)
     return StepShape(
         num_decodes=num_decodes,
         decode_blocks=int(dec.sum() if decode_form == "flat" else dec.max(initial=0)),
@@ -362,9 +398,40 @@ def exact_shape(
             seq_lens[num_decodes:],
             block_size,
             tile,
-            prefill_spans(query_lens, num_decodes, spans),
+            pre_spans,
+        ),
+        prefill_form=natural_prefill_form(
+            query_lens[num_decodes:], seq_lens[num_decodes:], pre_spans, tile
         ),
     )
+
+
+def natural_prefill_form(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    spans: np.ndarray | None,
+    tile: int = PREFILL_TILE,
+) -> PrefillForm:
+    """The form a prefill part (``query_lens``, ``seq_lens`` of its requests;
+    ``spans`` its rows' or None) runs best in: ``tiles`` for several requests
+    or rows that fit one tile anyway; else ``causal`` for a fresh request
+    none of whose rows is in a bidirectional span, ``request`` otherwise."""
+    if query_lens.size != 1 or int(query_lens[0]) <= tile:
+        return "tiles"
+    no_span = spans is None or not bool((spans[:, 1] > spans[:, 0]).any())
+    if no_span and int(seq_lens[0]) == int(query_lens[0]):
+        return "causal"
+    return "request"
+
+
+_FORM_RANK: dict[str, int] = {"tiles": 0, "request": 1, "causal": 2}
+
+
+def form_runs(bucket_form: PrefillForm, step_form: PrefillForm) -> bool:
+    """Whether a bucket of ``bucket_form`` can run a prefill part whose natural
+    form is ``step_form``: ``tiles`` runs any, ``request`` any one request,
+    ``causal`` only a fresh one."""
+    return _FORM_RANK[step_form] >= _FORM_RANK[bucket_form]
 
 
 def spans_from_doc_ranges(
@@ -403,13 +470,29 @@ def prefill_spans(
     return spans[int(query_lens[:num_decodes].sum()) :]
 
 
+_SIZES = ("num_decodes", "decode_blocks", "num_prefill_tokens", "prefill_blocks")
+
+
 def check_fits(real: StepShape, shape: StepShape) -> None:
-    for name in StepShape.__slots__:
+    """Raise unless ``shape`` holds the step ``real`` (its exact shape)."""
+    for name in (
+        "num_decodes",
+        "decode_blocks",
+        "num_prefill_tokens",
+        "prefill_blocks",
+    ):
+        if name == "prefill_blocks" and shape.prefill_form == "causal":
+            continue  # the causal gather covers the bucket's rows
         if getattr(real, name) > getattr(shape, name):
             raise ValueError(
                 f"step needs {name}={getattr(real, name)} but its bucket "
                 f"{shape} has only {getattr(shape, name)}"
             )
+    if real.num_prefill_tokens and not form_runs(shape.prefill_form, real.prefill_form):
+        raise ValueError(
+            f"a {real.prefill_form!r} prefill part cannot run in a "
+            f"{shape.prefill_form!r} bucket {shape}"
+        )
 
 
 def token_row_of_real_tokens(query_lens: np.ndarray, shape: StepShape) -> np.ndarray:

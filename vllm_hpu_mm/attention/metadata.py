@@ -38,6 +38,7 @@ from vllm_hpu_mm.attention.layout import (
     DecodeForm,
     StepShape,
     batched_decode_table,
+    causal_blocks,
     check_fits,
     count_leading_decodes,
     exact_shape,
@@ -64,6 +65,7 @@ __all__ = [
     "FlatDecodeInputs",
     "HpuMMAttentionMetadata",
     "MetadataKind",
+    "PrefillCausalInputs",
     "PrefillRequests",
     "PrefillTileInputs",
     "StaticAttentionMetadata",
@@ -156,6 +158,17 @@ class PrefillTileInputs:
     to the keys computed so far (``lo == hi``: no span)."""
 
 
+@dataclass
+class PrefillCausalInputs:
+    """The rows of one fresh request (the bucket's ``prefill_form`` is
+    ``causal``): row i is position i, so attention is SDPA's causal mask over
+    its own blocks, gathered once."""
+
+    blocks: torch.Tensor
+    """[1, ceil(T / block_size)] int64 the request's blocks in order,
+    PAD_BLOCK past its last (T: the bucket's prefill rows)."""
+
+
 @dataclass(kw_only=True)
 class StaticAttentionMetadata(HpuMMAttentionMetadata):
     """The graph inputs of one step of the static plan: tensors of the
@@ -163,8 +176,10 @@ class StaticAttentionMetadata(HpuMMAttentionMetadata):
 
     decode: FlatDecodeInputs | None
     """The decode rows' inputs; None when the bucket has no decode rows."""
-    prefill: PrefillTileInputs | None
-    """The prefill tiles; None when the bucket has no prefill rows."""
+    prefill: PrefillTileInputs | PrefillCausalInputs | None
+    """The prefill rows by the bucket's ``prefill_form``: tiles (``tiles``;
+    ``request``: one tile of all the rows) or one fresh request's blocks
+    (``causal``); None when the bucket has no prefill rows."""
 
 
 @dataclass(kw_only=True)
@@ -364,8 +379,16 @@ def build_static_metadata(
             block_key_pos=t(flat.block_key_pos, "decode_block_key_pos"),
             block_mapping=t(flat.block_mapping, "decode_block_mapping"),
         )
-    prefill = None
-    if shape.num_prefill_tokens:
+    prefill: PrefillTileInputs | PrefillCausalInputs | None = None
+    if shape.num_prefill_tokens and shape.prefill_form == "causal":
+        blocks = causal_blocks(
+            seq_lens[num_dec:], block_table[num_dec:], block_size,
+            shape.num_prefill_tokens,
+        )  # fmt: skip
+        prefill = PrefillCausalInputs(blocks=t(blocks, "prefill_causal_blocks"))
+    elif shape.num_prefill_tokens:
+        if shape.prefill_form == "request":
+            tile = shape.num_prefill_tokens  # one tile of all the rows
         prefill = _tiles(
             query_lens, seq_lens, block_table, block_size, shape, tile, spans,
             num_dec, t,

@@ -68,15 +68,28 @@ COPY_OPS = {
 
 
 def _sdpa_cpu_flops(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    **kw: Any,
 ) -> int:
     """FLOPs of the CPU flash SDPA (not in torch's registry): QK and PV over the
     whole ``[S_q, S_k]`` square, as torch counts its other SDPA kernels; GQA
-    (``enable_gqa``) counts the key heads as the query's."""
+    (``enable_gqa``) counts the key heads as the query's. With ``is_causal``
+    only the keys each query row reaches (row i: keys 0..i, top-left aligned as
+    torch's causal mask is): the kernel skips the key blocks above the diagonal
+    (so does FusedSDPA's causal mode), where torch's formula counts the square."""
     b, hq, sq, d = query.shape
-    k_shape = (b, hq, key.shape[2], key.shape[3])
+    sk = key.shape[2]
+    k_shape = (b, hq, sk, key.shape[3])
     v_shape = (b, hq, value.shape[2], value.shape[3])
-    return int(sdpa_flop_count((b, hq, sq, d), k_shape, v_shape))
+    square = int(sdpa_flop_count((b, hq, sq, d), k_shape, v_shape))
+    if not is_causal:
+        return square
+    reached = sum(min(i + 1, sk) for i in range(sq))
+    return square * reached // (sq * sk)
 
 
 def _flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:

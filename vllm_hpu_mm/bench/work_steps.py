@@ -17,6 +17,7 @@ counts are those of the passes the plugin's ``step_passes`` makes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from hpu_kernels.attention import KVCache
-from vllm_hpu_mm.attention.layout import PREFILL_TILE, count_leading_decodes
 from vllm_hpu_mm.bench.work import (
     WorkCounter,
     WorkCounts,
@@ -175,16 +175,15 @@ def count_step(
     max_model_len: int = 8192,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
-    one_request_tile: bool = False,
+    prefill_forms: bool = True,
 ) -> StepCount:
     """Runs ``step`` at its exact shape and at its default (exponential)
     bucket, counting each.
 
-    ``one_request_tile``: a what-if, not what the static plan runs: a prefill
-    part of one request is laid out as one tile of all its rows (the metadata
-    builder's ``tile`` set to the part's row count) instead of
-    ``PREFILL_TILE``-row tiles; the bucket is the same (a request's widest tile
-    is its last, so the blocks it reads do not change)."""
+    ``prefill_forms``: a prefill part of one request runs in its own form
+    (``layout.PrefillForm``: ``request`` or ``causal``), as the static plan
+    does by default (``bucketing.prefill_one_request``); False: in 128-row
+    tiles, as before that setting."""
     from vllm_hpu_mm.attention.metadata import exact_shape
     from vllm_hpu_mm.bucketing.buckets import Limits, default_buckets
     from vllm_hpu_mm.worker.shapes import ShapePolicy
@@ -192,8 +191,12 @@ def count_step(
     ql = np.array(step.query_lens, np.int64)
     sl = np.array(step.seq_lens, np.int64)
     exact = exact_shape(ql, sl, block_size)
+    if not prefill_forms:
+        exact = dataclasses.replace(exact, prefill_form="tiles")
     limits = Limits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
-    policy = ShapePolicy(default_buckets(limits, "exponential"))
+    policy = ShapePolicy(
+        default_buckets(limits, "exponential"), prefill_forms=prefill_forms
+    )
     bucket, _ = policy(exact, len(ql))
     torch.manual_seed(seed)
     impl = static_impl(m)
@@ -201,10 +204,8 @@ def count_step(
     layers = layers.to(dtype).eval()
     runs = []
     passes = 0
-    one_tile = one_request_tile and len(ql) - count_leading_decodes(ql) == 1
     for shape in (exact, bucket):
-        tile = max(shape.num_prefill_tokens, 1) if one_tile else PREFILL_TILE
-        counts, passes = _run(step, layers, impl, m, shape, block_size, dtype, tile)
+        counts, passes = _run(step, layers, impl, m, shape, block_size, dtype)
         runs.append(counts)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     return StepCount(
@@ -232,7 +233,6 @@ def _run(
     shape: StepShape,
     block_size: int,
     dtype: torch.dtype,
-    tile: int = PREFILL_TILE,
 ) -> tuple[WorkCounts, int]:
     from vllm_hpu_mm.attention.metadata import build_metadata
     from vllm_hpu_mm.worker.inputs import step_passes
@@ -248,7 +248,6 @@ def _run(
         block_size,
         shape,
         torch.device("cpu"),  # type: ignore[arg-type]
-        tile=tile,
     )
     caches = [random_kv_cache(num_blocks, block_size, m, dtype) for _ in layers]
     counter = WorkCounter()

@@ -145,6 +145,29 @@ def step_shapes(
     return decode, prefill
 
 
+def one_request_shapes(
+    buckets: BucketSet, limits: Limits, prefill_tile: int = PREFILL_TILE
+) -> list[tuple[int, int, str]]:
+    """The graph keys of prefill parts of one request above one tile
+    (``attention.layout.PrefillForm``), as ``(tokens, prefill blocks, form)``:
+    for each token bucket T that can hold more than ``prefill_tile`` rows, a
+    ``causal`` key (a fresh prompt; blocks 0: its gather covers T's rows) and
+    ``request`` keys over the prefill block sizes a request of those rows can
+    read (its rows' blocks up to one full-length request's)."""
+    bs = limits.block_size
+    pre = buckets.prefill_blocks
+    out: list[tuple[int, int, str]] = []
+    for t in buckets.tokens:
+        rows = max(_prev(buckets.tokens, t) + 1, prefill_tile + 1)
+        if rows > t:
+            continue  # every part landing here fits one tile: ``tiles``
+        out.append((t, 0, "causal"))
+        lo = _fit_or_top(-(-rows // bs), pre)
+        hi = _fit_or_top(limits.max_blocks_per_seq, pre)
+        out += [(t, n, "request") for n in pre if lo <= n <= hi]
+    return out
+
+
 def prefill_blocks_reach(limits: Limits, tile_rows: int = PREFILL_TILE) -> int:
     """Most context blocks a prefill tile of ``tile_rows`` rows reads in
     ``step_shapes``' enumeration: one full-length request plus the tile's own
@@ -181,18 +204,24 @@ def count_graphs(
     prefill_tile: int = PREFILL_TILE,
     opaque_attention: bool = False,
     symbolic_tokens: bool = False,
+    one_request: bool = False,
 ) -> int:
     """Graphs warmup compiles: every step key (with ``opaque_attention``, every
     token count) plus one logits graph per batch size. ``symbolic_tokens`` (opaque
     attention on the CPU and CUDA): warmup's first, smallest size compiles a static
     graph and the second a symbolic one that serves every larger size, so at most
-    two per region."""
+    two per region. ``one_request``: the static plan's one-request prefill keys
+    (``one_request_shapes``, ``bucketing.prefill_one_request``) are counted too;
+    without it, the tile-form keys alone (what the default set and the planner
+    hold to their budgets)."""
     decode, prefill = step_shapes(buckets, limits, decode_form, prefill_tile)
     if opaque_attention:
         decode, prefill = token_shapes(decode, prefill)
         if symbolic_tokens:
             return min(2, len(decode) + len(prefill)) + min(2, len(buckets.batch))
-    return len(decode) + len(prefill) + len(buckets.batch)
+        one_request = False  # graphs keyed by token rows alone
+    extra = len(one_request_shapes(buckets, limits, prefill_tile)) if one_request else 0
+    return len(decode) + len(prefill) + extra + len(buckets.batch)
 
 
 def exponential(lo: int, hi: int) -> tuple[int, ...]:

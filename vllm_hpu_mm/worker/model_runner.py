@@ -139,6 +139,8 @@ class HpuMMModelRunner:
             bucketing.fallback_max_pad_ratio,
             self.plan.decode_form,
             recorder=step_recorder(bucketing.record_steps),
+            prefill_forms=bucketing.prefill_one_request
+            and self.plan.attention_metadata == "static",
         )
         self.model: torch.nn.Module | None = None
         self.graphs: GraphRunner | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -68,8 +69,13 @@ class ShapePolicy:
         max_pad_ratio: float = 2.0,
         decode_form: DecodeForm = "flat",
         recorder: StepRecorder | None = None,
+        prefill_forms: bool = True,
     ) -> None:
-        """``decode_form``: the execution plan's (``ExecutionPlan.decode_form``)."""
+        """``decode_form``: the execution plan's (``ExecutionPlan.decode_form``);
+        ``prefill_forms``: one-request prefill parts keep their own form
+        (``layout.PrefillForm``: the static plan, ``bucketing.prefill_one_request``),
+        else every prefill part runs in tiles."""
+        self.prefill_forms = prefill_forms
         self.buckets = buckets
         # The served steps' exact shapes, for the planner (bucketing.record_steps).
         self.recorder = recorder
@@ -99,6 +105,10 @@ class ShapePolicy:
                 exact.num_prefill_tokens,
                 exact.prefill_blocks,
             )
+        if not self.prefill_forms and exact.prefill_form != "tiles":
+            exact = dataclasses.replace(exact, prefill_form="tiles")
+        if exact.num_prefill_tokens:
+            metrics.PREFILL_FORM_STEPS.labels(form=exact.prefill_form).inc()
         if self.bucketer is None:
             return exact, num_reqs
         padded = self.bucketer.pad(
@@ -112,11 +122,14 @@ class ShapePolicy:
         )
         if padded.fallbacks:
             metrics.FALLBACK_BUCKETS.inc()
+        causal = exact.prefill_form == "causal"
         shape = StepShape(
             num_decodes=padded.num_decodes,
             decode_blocks=padded.decode_blocks,
             num_prefill_tokens=padded.prefill_tokens,
-            prefill_blocks=padded.prefill_blocks,
+            # a causal part gathers the blocks of its rows: not an axis
+            prefill_blocks=0 if causal else padded.prefill_blocks,
+            prefill_form=exact.prefill_form,
         )
         pad = shape.num_tokens - exact.num_tokens
         metrics.PADDED_TOKENS.inc(pad)

@@ -35,7 +35,11 @@ from tqdm import tqdm
 from vllm_hpu_mm import device as dev
 from vllm_hpu_mm import metrics
 from vllm_hpu_mm.attention.metadata import StepShape, build_metadata
-from vllm_hpu_mm.bucketing.buckets import step_shapes, token_shapes
+from vllm_hpu_mm.bucketing.buckets import (
+    one_request_shapes,
+    step_shapes,
+    token_shapes,
+)
 from vllm_hpu_mm.worker.multimodal import warm_up_encoder
 from vllm_hpu_mm.worker.sampler_padding import (
     counted_compiles,
@@ -148,6 +152,10 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         decode, prefill = token_shapes(decode, prefill)
     work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
     work += [StepShape(0, 0, t, n) for t, n in prefill]
+    if runner.shapes.prefill_forms:  # one-request prefill parts: graphs of their own
+        one = one_request_shapes(buckets, engine_limits(runner.vllm_config))
+        work += [StepShape(0, 0, t, n, form) for t, n, form in one]  # type: ignore[arg-type]
+        prefill = prefill + [(t, n) for t, n, _ in one]
     if runner.stage.is_last:  # logits and sampling: the last pipeline stage's
         work += list(buckets.batch)
     sampler_sizes = sampler_batch_sizes(runner.plan, buckets)

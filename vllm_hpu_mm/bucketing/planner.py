@@ -39,6 +39,7 @@ from vllm_hpu_mm.bucketing.buckets import (
     count_graphs,
     explicit,
     fallback_size,
+    one_request_shapes,
     padding_ratio,
     smallest_fit,
 )
@@ -620,6 +621,8 @@ def evaluate(
     if limits is not None:  # graphs warmup compiles (whole step shapes)
         out["step_graphs"] = count_graphs(buckets, limits, "batched")
         out["step_graphs_flat"] = count_graphs(buckets, limits, "flat")
+        # the static plan's one-request prefill forms, on top of the flat count
+        out["one_request_graphs"] = len(one_request_shapes(buckets, limits))
     for axis in real:
         pct = 100.0 * padding_ratio([real[axis]], [padded[axis]])
         out[f"{axis}_padding_pct"] = pct

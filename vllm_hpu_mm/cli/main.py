@@ -447,7 +447,12 @@ def _plan_from_metrics(args: argparse.Namespace, limits: Any) -> int:
 def _evaluate_axes(buckets: Any, axes: Any, limits: Any) -> dict[str, Any]:
     """``planner.evaluate``'s figures from per-axis counts (each size padded on
     its own axis; ``fallback_steps``: sizes above their axis)."""
-    from vllm_hpu_mm.bucketing.buckets import count_graphs, fallback_size, smallest_fit
+    from vllm_hpu_mm.bucketing.buckets import (
+        count_graphs,
+        fallback_size,
+        one_request_shapes,
+        smallest_fit,
+    )
 
     def pad(
         pairs: Sequence[tuple[int, int]], edges: Sequence[int]
@@ -475,6 +480,7 @@ def _evaluate_axes(buckets: Any, axes: Any, limits: Any) -> dict[str, Any]:
         "graphs": buckets.num_graphs,
         "step_graphs": count_graphs(buckets, limits, "batched"),
         "step_graphs_flat": count_graphs(buckets, limits, "flat"),
+        "one_request_graphs": len(one_request_shapes(buckets, limits)),
         "fallback_steps": sum(a for p in parts.values() for _, _, a in p),
     }
     for axis, p in parts.items():
@@ -508,7 +514,9 @@ def _bucket_yaml(
         f"# Sizes: {buckets.num_graphs} ({len(buckets.tokens)} token sizes + "
         f"{len(buckets.batch)} batch sizes); warmup compiles "
         f"{planned['step_graphs']} step-shape graphs (batched decode, CPU/CUDA) "
-        f"or {planned['step_graphs_flat']} (flat decode, HPU). Padding on the "
+        f"or {planned['step_graphs_flat']} (flat decode, HPU) plus "
+        f"{planned['one_request_graphs']} of one-request prefill forms "
+        "(bucketing.prefill_one_request). Padding on the "
         "sample: tokens "
         f"{planned['tokens_padding_pct']:.1f} %, batch "
         f"{planned['batch_padding_pct']:.1f} %, blocks "
@@ -548,7 +556,7 @@ def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from vllm_hpu_mm.bucketing.buckets import count_graphs, explicit
+    from vllm_hpu_mm.bucketing.buckets import count_graphs, explicit, one_request_shapes
 
     limits = _limits(args)
     strategies = ("prior", "exponential", "linear")
@@ -573,7 +581,9 @@ def _show(args: argparse.Namespace) -> int:
         print(
             f"{name}: {b.num_graphs} sizes, "
             f"{count_graphs(b, limits, 'batched')} step-shape graphs "
-            f"({count_graphs(b, limits, 'flat')} with flat decode)"
+            f"({count_graphs(b, limits, 'flat')} with flat decode, plus "
+            f"{len(one_request_shapes(b, limits))} one-request prefill graphs "
+            "on the static plan)"
         )
         for axis in ("tokens", "batch", "blocks", "prefill_blocks"):
             values = getattr(b, axis)

@@ -40,6 +40,7 @@ from tests.unit.test_attention_kernels import (
 from vllm_hpu_mm import device
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.attention.kv_dtype import kv_cache_dtype_problem
+from vllm_hpu_mm.attention.layout import causal_blocks
 from vllm_hpu_mm.attention.metadata import build_prefill_requests
 from vllm_hpu_mm.gaudi_sim import compiler, fp8_ops
 from vllm_hpu_mm.worker.kv_cache import zero_blocks
@@ -132,6 +133,25 @@ def test_tiled_prefill_reads_the_fp8_cache_dequantized(window: int | None) -> No
         **inputs,
         scale=scale,
         sliding_window=window,
+    )
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_causal_prefill_reads_the_fp8_cache_dequantized(window: int | None) -> None:
+    block_size = 4
+    stacked, reqs = make_scenario([(0, 11)], block_size, 4, 2)
+    write_step(stacked, reqs)
+    fp8, ref = _fp8_and_reference(stacked, block_size)
+    query = reqs[0].queries
+    table = np.array([reqs[0].block_ids], np.int64)
+    blocks = torch.from_numpy(causal_blocks(np.array([11]), table, block_size, 11))
+    scale = 1 / math.sqrt(HEAD)
+    got = attention.causal_prefill_attention(
+        query, fp8, blocks, scale, sliding_window=window
+    )
+    want = attention.causal_prefill_attention(
+        query, attention.kv_cache_of_stacked(ref), blocks, scale, window
     )
     assert torch.equal(got, want)
 

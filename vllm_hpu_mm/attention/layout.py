@@ -48,8 +48,8 @@ PrefillForm = Literal["tiles", "request", "causal"]
   tile's);
 - ``request``: a part of one request: one tile of all its rows, so the
   request's blocks (``prefill_blocks``: all of them) are gathered once;
-- ``causal``: a part of one fresh request (no context before this step, no
-  bidirectional spans): its rows' own blocks gathered once and SDPA's causal
+- ``causal``: a part of one fresh request (no context before this step, none
+  of its rows in a bidirectional span): its blocks gathered once and SDPA's causal
   mask (``is_causal``, FusedSDPA's prompt form), so the kernel skips the
   masked half; ``prefill_blocks`` is 0 (the gather covers the bucket's rows).
 
@@ -475,12 +475,7 @@ _SIZES = ("num_decodes", "decode_blocks", "num_prefill_tokens", "prefill_blocks"
 
 def check_fits(real: StepShape, shape: StepShape) -> None:
     """Raise unless ``shape`` holds the step ``real`` (its exact shape)."""
-    for name in (
-        "num_decodes",
-        "decode_blocks",
-        "num_prefill_tokens",
-        "prefill_blocks",
-    ):
+    for name in _SIZES:
         if name == "prefill_blocks" and shape.prefill_form == "causal":
             continue  # the causal gather covers the bucket's rows
         if getattr(real, name) > getattr(shape, name):

@@ -646,3 +646,21 @@ def test_every_real_step_pads_to_a_warmed_shape(data: st.DataObject, form: str) 
         assert (p.prefill_tokens, 0, "causal") in one
     elif real.prefill_form == "request":
         assert (p.prefill_tokens, p.prefill_blocks, "request") in one
+
+
+def test_one_request_keys_hand_worked() -> None:
+    """Token sizes 16, 64, 256 (block 128, 512-token requests): only 256 holds
+    one request above a 128-row tile (129..256 rows: 2 blocks, up to a whole
+    request's 4): a causal key and request keys over blocks 2 and 4."""
+    limits = Limits(
+        max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, block_size=128
+    )
+    b = explicit(limits, [16, 64, 256], [1, 2], [2, 4, 8])
+    one = one_request_shapes(b, limits)
+    assert one == [(256, 0, "causal"), (256, 2, "request"), (256, 4, "request")]
+    tiles = count_graphs(b, limits, "flat")
+    assert count_graphs(b, limits, "flat", one_request=True) == tiles + 3
+    # graphs keyed by token rows alone (opaque attention) have no forms
+    assert count_graphs(b, limits, "flat", opaque_attention=True) == count_graphs(
+        b, limits, "flat", opaque_attention=True, one_request=True
+    )

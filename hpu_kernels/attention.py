@@ -303,9 +303,10 @@ def causal_prefill_attention(
     keys, values = _gather_blocks(kv_cache, blocks)  # [1, Hkv, NB * BS, D]
     mask = None
     if sliding_window is not None:
-        pos = torch.arange(num_tokens, device=query.device)
-        rel = pos[:, None] - pos[None, :]  # query minus key position
-        mask = ((rel >= 0) & (rel < sliding_window))[None, None]  # [1, 1, T, T]
+        q_pos = torch.arange(num_tokens, device=query.device)[:, None]
+        k_pos = q_pos.view(1, num_tokens)
+        window = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)  # [T, T] bool
+        mask = window[None, None]
     out = sdpa(
         query.transpose(0, 1)[None],  # [1, H, T, D]
         read_keys(kv_cache, keys[:, :, :num_tokens], query.dtype),

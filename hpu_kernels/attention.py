@@ -288,6 +288,7 @@ def causal_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     sdpa: SdpaFn = F.scaled_dot_product_attention,
+    window_tile: int = 128,
 ) -> torch.Tensor:
     """Causal attention of one fresh request's prompt (FusedSDPA's prompt form).
 
@@ -295,12 +296,21 @@ def causal_prefill_attention(
     their outputs are garbage, never NaN: each sees key 0); blocks: [1, NB]
     int64 the request's blocks in order (NB * BS >= T), gathered once. Without
     a sliding window SDPA's own causal mask (``is_causal``), whose kernels skip
-    the keys above the diagonal; with one, a banded mask built from the rows.
+    the keys above the diagonal. With a window W: when the rows outnumber
+    ``window_tile + W - 1``, the rows in tiles of ``window_tile``, each over the
+    ``window_tile + W - 1`` keys its rows can reach (views of the one gather:
+    ``_window_tiles``); else one banded mask over all the rows.
     The current tokens' own K/V must already be written (``write_kv``).
     Returns [T, H, D].
     """
     num_tokens, num_heads, _ = query.shape
     keys, values = _gather_blocks(kv_cache, blocks)  # [1, Hkv, NB * BS, D]
+    k = read_keys(kv_cache, keys[:, :, :num_tokens], query.dtype)
+    v = read_values(kv_cache, values[:, :, :num_tokens], query.dtype)
+    q = query.transpose(0, 1)[None]  # [1, H, T, D]
+    gqa = num_heads != keys.shape[1]
+    if sliding_window is not None and window_tile + sliding_window - 1 < num_tokens:
+        return _window_tiles(q, k, v, scale, sliding_window, sdpa, window_tile)
     mask = None
     if sliding_window is not None:
         q_pos = torch.arange(num_tokens, device=query.device)[:, None]
@@ -308,15 +318,52 @@ def causal_prefill_attention(
         window = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)  # [T, T] bool
         mask = window[None, None]
     out = sdpa(
-        query.transpose(0, 1)[None],  # [1, H, T, D]
-        read_keys(kv_cache, keys[:, :, :num_tokens], query.dtype),
-        read_values(kv_cache, values[:, :, :num_tokens], query.dtype),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
     )
     return out[0].transpose(0, 1)
+
+
+def _window_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int,
+    sdpa: SdpaFn,
+    tile: int,
+) -> torch.Tensor:
+    """Sliding-window causal attention of a fresh prompt in row tiles: q [1, H,
+    T, D], k, v [1, Hkv, T, D] (position = row). Tile t's rows [t * tile, (t +
+    1) * tile) read keys [t * tile - (W - 1), (t + 1) * tile): the keys padded
+    by W - 1 rows in front (and to whole tiles behind) and unfolded into
+    overlapping windows, so the computed scores are T x (tile + W - 1) instead
+    of T x T. Returns [T, H, D]."""
+    _, num_heads, num_tokens, head = q.shape
+    num_tiles = -(-num_tokens // tile)
+    front, back = window - 1, num_tiles * tile - num_tokens
+    width = tile + window - 1
+
+    def windows(x: torch.Tensor) -> torch.Tensor:  # [1, Hkv, T, D] -> [NT, Hkv, W', D]
+        padded = F.pad(x, (0, 0, front, back))  # [1, Hkv, front + NT * tile, D]
+        return padded.unfold(2, width, tile)[0].permute(1, 0, 3, 2)
+
+    qt = F.pad(q, (0, 0, 0, back))[0].view(num_heads, num_tiles, tile, head)
+    device = q.device
+    row = torch.arange(tile, device=device)[None, :, None]  # [1, tq, 1]
+    col = torch.arange(width, device=device)[None, None, :]  # [1, 1, W']
+    first = torch.arange(num_tiles, device=device)[:, None, None] * tile  # [NT, 1, 1]
+    q_pos, k_pos = first + row, first + col - front  # [NT, tq, 1], [NT, 1, W']
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window) & (k_pos >= 0)
+    out = sdpa(
+        qt.transpose(0, 1),  # [NT, H, tq, D]
+        windows(k),
+        windows(v),
+        attn_mask=mask[:, None],  # [NT, 1, tq, W']
+        is_causal=False,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[1],
+    )  # [NT, H, tq, D]
+    return out.transpose(1, 2).reshape(num_tiles * tile, num_heads, head)[:num_tokens]
 
 
 def decode_attention(

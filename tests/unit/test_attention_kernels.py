@@ -305,6 +305,7 @@ def test_prefill_matches_reference(
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("window_tile", [128, 8, 3])
 @pytest.mark.parametrize("pad_rows", [0, 5])
 @pytest.mark.parametrize("window", [None, 5, 11])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
@@ -315,9 +316,12 @@ def test_causal_prefill_matches_reference(
     num_kv_heads: int,
     window: int | None,
     pad_rows: int,
+    window_tile: int,
 ) -> None:
     """One fresh request (``causal`` form): its blocks gathered once, SDPA's
-    causal mask (a banded one with a window); padding rows change nothing."""
+    causal mask; with a window, a banded mask or (rows above ``window_tile + W
+    - 1``) row tiles over overlapping key windows; padding rows change
+    nothing."""
     cache, reqs = make_scenario([(0, 23)], block_size, num_heads, num_kv_heads)
     write_step(cache, reqs, pad_rows=pad_rows)
     (req,) = reqs
@@ -328,7 +332,12 @@ def test_causal_prefill_matches_reference(
         np.array([req.seq_len]), block_table_of(reqs), block_size, query.shape[0]
     )
     out = causal_prefill_attention(
-        query, cache, torch.from_numpy(blocks), scale, sliding_window=window
+        query,
+        cache,
+        torch.from_numpy(blocks),
+        scale,
+        sliding_window=window,
+        window_tile=window_tile,
     )
     assert out.shape == query.shape
     assert torch.isfinite(out).all()  # padding rows too

@@ -293,7 +293,8 @@ def causal_prefill_attention(
     """Causal attention of one fresh request's prompt (FusedSDPA's prompt form).
 
     query: [T, H, D], row i at position i (rows past the request's are padding;
-    their outputs are garbage, never NaN: each sees key 0); blocks: [1, NB]
+    their outputs are discarded: they read the stale slots of the request's
+    last block and the null block); blocks: [1, NB]
     int64 the request's blocks in order (NB * BS >= T), gathered once. Without
     a sliding window SDPA's own causal mask (``is_causal``), whose kernels skip
     the keys above the diagonal. With a window W: when the rows outnumber

@@ -208,3 +208,15 @@ def current_plan() -> ExecutionPlan:
     except AssertionError:  # none set (a layer built by hand): the defaults
         vllm_config = None
     return plan_of(vllm_config)
+
+
+def one_request_forms(plan: ExecutionPlan, bucketing: Any) -> bool:
+    """Whether one-request prefill parts run in their own forms
+    (``layout.PrefillForm``): ``bucketing.prefill_one_request`` on a plan whose
+    attention is traced into the graphs with the static metadata (the static
+    plan); graphs keyed by token rows alone (opaque attention) keep tiles."""
+    return bool(
+        bucketing.prefill_one_request
+        and plan.attention_metadata == "static"
+        and not plan.opaque_attention
+    )

@@ -703,3 +703,37 @@ def test_shape_policy_keeps_the_form_or_tiles_every_part() -> None:
     assert on(request, 1)[0].prefill_form == "request"
     assert on(request, 1)[0].prefill_blocks >= request.prefill_blocks
     assert {off(s, 1)[0].prefill_form for s in (causal, request)} == {"tiles"}
+
+
+def test_a_causal_step_pads_records_and_falls_back_on_no_block_axis() -> None:
+    """A fresh 500-token prompt at block 16 reads 32 blocks, above an explicit
+    block list ending at 16: its causal bucket has no block axis, so nothing
+    falls back and the recorder sees 0 blocks (the planner skips them)."""
+    from vllm_hpu_mm.bucketing.buckets import BucketSet
+    from vllm_hpu_mm.worker.shapes import ShapePolicy
+
+    recorded: list[tuple[int, ...]] = []
+
+    class Recorder:
+        def record(self, *sizes: int) -> None:
+            recorded.append(sizes)
+
+    buckets = BucketSet((64, 512), (1, 4), (4, 8, 16))
+    policy = ShapePolicy(buckets, recorder=Recorder())  # type: ignore[arg-type]
+    exact = exact_shape(np.array([500]), np.array([500]), 16)
+    assert (exact.prefill_form, exact.prefill_blocks) == ("causal", 32)
+    assert policy(exact, 1)[0] == StepShape(0, 0, 512, 0, "causal")
+    assert policy.bucketer is not None and policy.bucketer.fallback_count == 0
+    assert recorded == [(1, 0, 0, 500, 0)]
+
+
+def test_one_request_forms_only_where_attention_is_traced() -> None:
+    from vllm_hpu_mm.config import BucketingConfig, HpuMMConfig
+    from vllm_hpu_mm.plan import build_plan, one_request_forms
+
+    on, off = BucketingConfig(), BucketingConfig(prefill_one_request=False)
+    static = build_plan(HpuMMConfig(execution="static"), "cpu", False)
+    dynamic = build_plan(HpuMMConfig(execution="dynamic"), "hpu", False)
+    assert one_request_forms(static, on)
+    assert not one_request_forms(static, off)
+    assert dynamic.opaque_attention and not one_request_forms(dynamic, on)

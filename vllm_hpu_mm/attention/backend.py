@@ -19,6 +19,7 @@ Each writes this step's K/V into the paged cache first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import numpy as np
@@ -64,7 +65,8 @@ from vllm_hpu_mm.attention.metadata import (
     exact_shape,
     spans_from_doc_ranges,
 )
-from vllm_hpu_mm.plan import ExecutionPlan, current_plan, plan_of
+from vllm_hpu_mm.config import load_plugin_config
+from vllm_hpu_mm.plan import ExecutionPlan, current_plan, one_request_forms, plan_of
 
 
 class HpuMMAttentionBackend(AttentionBackend):
@@ -372,7 +374,10 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
         self.vllm_config = vllm_config  # type: ignore[assignment]
         self.device = device
         self.block_size = kv_cache_spec.block_size
-        self.kind = plan_of(vllm_config).attention_metadata
+        plan = plan_of(vllm_config)
+        self.kind = plan.attention_metadata
+        bucketing = load_plugin_config(vllm_config).bucketing
+        self.prefill_forms = one_request_forms(plan, bucketing)
 
     def build(
         self,
@@ -391,19 +396,18 @@ class HpuMMAttentionMetadataBuilder(AttentionMetadataBuilder[HpuMMAttentionMetad
         spans = spans_from_doc_ranges(
             getattr(cm, "mm_req_doc_ranges", None), query_lens, seq_lens
         )
+        shape = exact_shape(
+            query_lens, seq_lens, self.block_size, DECODE_FORM[self.kind], spans=spans
+        )
+        if not self.prefill_forms:
+            shape = dataclasses.replace(shape, prefill_form="tiles")
         return build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_table=cm.block_table_tensor.cpu().numpy().astype(np.int64),
             slot_mapping=cm.slot_mapping[:n].cpu().numpy().astype(np.int64),
             block_size=self.block_size,
-            shape=exact_shape(
-                query_lens,
-                seq_lens,
-                self.block_size,
-                DECODE_FORM[self.kind],
-                spans=spans,
-            ),
+            shape=shape,
             device=self.device,
             kind=self.kind,
             spans=spans,
@@ -418,7 +422,6 @@ def _softmax_mode() -> str | None:
     from vllm.config.vllm import get_current_vllm_config_or_none
 
     from hpu_kernels.fused import fused_softmax_mode
-    from vllm_hpu_mm.config import load_plugin_config
 
     vllm_config = get_current_vllm_config_or_none()
     model_config = getattr(vllm_config, "model_config", None)

@@ -44,7 +44,7 @@ from vllm_hpu_mm import device as dev
 from vllm_hpu_mm.attention.decode_cache import DecodeCache
 from vllm_hpu_mm.attention.metadata import DynamicAttentionMetadata
 from vllm_hpu_mm.multimodal.placeholders import request_chunks
-from vllm_hpu_mm.plan import ExecutionPlan, plan_of
+from vllm_hpu_mm.plan import ExecutionPlan, one_request_forms, plan_of
 from vllm_hpu_mm.platform_config import is_mm_prefix_lm
 from vllm_hpu_mm.quant.memory import weight_memory_line
 from vllm_hpu_mm.worker import cpu_linear
@@ -139,8 +139,7 @@ class HpuMMModelRunner:
             bucketing.fallback_max_pad_ratio,
             self.plan.decode_form,
             recorder=step_recorder(bucketing.record_steps),
-            prefill_forms=bucketing.prefill_one_request
-            and self.plan.attention_metadata == "static",
+            prefill_forms=one_request_forms(self.plan, bucketing),
         )
         self.model: torch.nn.Module | None = None
         self.graphs: GraphRunner | None = None

@@ -55,6 +55,7 @@ def observe_step(exact: StepShape, num_reqs: int) -> None:
         axes += [("decode_blocks", exact.decode_blocks)]
     if exact.num_prefill_tokens:
         axes += [("prefill_tokens", exact.num_prefill_tokens)]
+    if exact.prefill_blocks:  # a causal part has no block axis
         axes += [("prefill_blocks", exact.prefill_blocks)]
     for axis, value in axes:
         metrics.STEP_SHAPE.labels(axis=axis).observe(value)
@@ -94,6 +95,14 @@ class ShapePolicy:
         self.observing = first_rank()
 
     def __call__(self, exact: StepShape, num_reqs: int) -> tuple[StepShape, int]:
+        if not self.prefill_forms and exact.prefill_form != "tiles":
+            exact = dataclasses.replace(exact, prefill_form="tiles")
+        if exact.num_prefill_tokens and first_rank():
+            metrics.PREFILL_FORM_STEPS.labels(form=exact.prefill_form).inc()
+        if exact.prefill_form == "causal":
+            # its gather covers the bucket's rows: no prefill block axis to
+            # pad, record or plan for
+            exact = dataclasses.replace(exact, prefill_blocks=0)
         metrics.SCHEDULED_TOKENS.inc(exact.num_tokens)
         if self.observing:
             observe_step(exact, num_reqs)
@@ -105,10 +114,6 @@ class ShapePolicy:
                 exact.num_prefill_tokens,
                 exact.prefill_blocks,
             )
-        if not self.prefill_forms and exact.prefill_form != "tiles":
-            exact = dataclasses.replace(exact, prefill_form="tiles")
-        if exact.num_prefill_tokens:
-            metrics.PREFILL_FORM_STEPS.labels(form=exact.prefill_form).inc()
         if self.bucketer is None:
             return exact, num_reqs
         padded = self.bucketer.pad(
@@ -122,13 +127,11 @@ class ShapePolicy:
         )
         if padded.fallbacks:
             metrics.FALLBACK_BUCKETS.inc()
-        causal = exact.prefill_form == "causal"
         shape = StepShape(
             num_decodes=padded.num_decodes,
             decode_blocks=padded.decode_blocks,
             num_prefill_tokens=padded.prefill_tokens,
-            # a causal part gathers the blocks of its rows: not an axis
-            prefill_blocks=0 if causal else padded.prefill_blocks,
+            prefill_blocks=padded.prefill_blocks,
             prefill_form=exact.prefill_form,
         )
         pad = shape.num_tokens - exact.num_tokens

@@ -122,17 +122,7 @@ def _chat(server: Server, images: list[Any], text: str) -> dict[str, Any]:
 
 
 def _completion(server: Server, prompt_ids: list[int]) -> dict[str, Any]:
-    body = {
-        "model": server.model,
-        "prompt": prompt_ids,
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = server.post("/v1/completions", body)
-    assert response.status_code == 200, response.text
-    return dict(response.json())
+    return server.greedy_completion(prompt_ids, MAX_NEW)
 
 
 IMAGE_SETS: list[list[Any]] = [

@@ -58,44 +58,66 @@ def tally(request: pytest.FixtureRequest) -> Iterator[Bf16Tally]:
     t.report(request.config)
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+def serve_simulated(
+    model_dir: str,
+    tmp: Path,
+    buckets: str,
+    card_bytes: int,
+    *args: str,
+    plugin_extra: dict[str, Any] | None = None,
+    max_model_len: int = 512,
 ) -> Iterator[Server]:
-    tmp: Path = tmp_path_factory.mktemp("gaudi_sim")
-    (tmp / "buckets.yaml").write_text(BUCKETS)
+    """``vllm serve model_dir`` in bfloat16 graph mode on the simulated Gaudi
+    (a card of ``card_bytes``), over the explicit bucket lists ``buckets`` (YAML
+    text, written under ``tmp``); ``args`` go to ``vllm serve``,
+    ``plugin_extra`` into ``hpu_mm``."""
+    (tmp / "buckets.yaml").write_text(buckets)
     plugin = {
         "hpu_mm": {
             "graph_mode": "compile",
             "bucketing": {"strategy": "explicit", "file": str(tmp / "buckets.yaml")},
             "warmup": {"progress_bar": False},
-            "memory": {"graph_reserve_fraction": GRAPH_RESERVE},
+            **(plugin_extra or {}),
         }
     }
     patch = pytest.MonkeyPatch()
     patch.setenv("VLLM_HPU_MM_DEVICE", "hpu")
     patch.setenv("VLLM_HPU_MM_GAUDI_SIM", "1")
-    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", str(CARD_BYTES))
+    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", str(card_bytes))
     patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
     try:
         yield from serve(
-            tiny_llama_dir,
+            model_dir,
             tmp / "server.log",
             "--dtype",
             "bfloat16",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-            "--max-num-batched-tokens",
-            "64",
-            "--gpu-memory-utilization",
-            str(UTILIZATION),
+            *args,
             "--additional-config",
             json.dumps(plugin),
+            max_model_len=max_model_len,
         )
     finally:
         patch.undo()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    yield from serve_simulated(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("gaudi_sim"),
+        BUCKETS,
+        CARD_BYTES,
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+        "--gpu-memory-utilization",
+        str(UTILIZATION),
+        plugin_extra={"memory": {"graph_reserve_fraction": GRAPH_RESERVE}},
+        max_model_len=256,
+    )
 
 
 def _sim_compiles_after_warmup(server: Server) -> list[str]:

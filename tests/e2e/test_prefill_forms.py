@@ -17,17 +17,15 @@ which forms ran.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
 import torch
 
-from tests.e2e import test_serve
-from tests.e2e.test_serve import Server, serve, server_compiles
+from tests.e2e.test_gaudi_sim_serve import serve_simulated
+from tests.e2e.test_serve import Server, server_compiles
 from tests.hf_reference import Bf16Tally, compare_greedy_bf16, hf_greedy_steps
 
 pytestmark = pytest.mark.e2e
@@ -48,37 +46,17 @@ def tally(request: pytest.FixtureRequest) -> Iterator[Bf16Tally]:
 def server(
     tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    tmp: Path = tmp_path_factory.mktemp("prefill_forms")
-    (tmp / "buckets.yaml").write_text(BUCKETS)
-    plugin = {
-        "hpu_mm": {
-            "graph_mode": "compile",
-            "bucketing": {"strategy": "explicit", "file": str(tmp / "buckets.yaml")},
-            "warmup": {"progress_bar": False},
-        }
-    }
-    patch = pytest.MonkeyPatch()
-    patch.setenv("VLLM_HPU_MM_DEVICE", "hpu")
-    patch.setenv("VLLM_HPU_MM_GAUDI_SIM", "1")
-    patch.setenv("VLLM_HPU_MM_GAUDI_SIM_MEMORY", str(CARD_BYTES))
-    patch.setattr(test_serve, "STARTUP_TIMEOUT_S", 600.0)
-    try:
-        yield from serve(
-            tiny_llama_dir,
-            tmp / "server.log",
-            "--dtype",
-            "bfloat16",
-            "--max-num-seqs",
-            "2",
-            "--max-num-batched-tokens",
-            "256",
-            "--no-enable-prefix-caching",
-            "--additional-config",
-            json.dumps(plugin),
-            max_model_len=512,
-        )
-    finally:
-        patch.undo()
+    yield from serve_simulated(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("prefill_forms"),
+        BUCKETS,
+        CARD_BYTES,
+        "--max-num-seqs",
+        "2",
+        "--max-num-batched-tokens",
+        "256",
+        "--no-enable-prefix-caching",
+    )
 
 
 def _form_steps(server: Server) -> dict[str, float]:
@@ -100,17 +78,7 @@ def test_fresh_and_chunked_prompts_run_their_forms_and_match_hf(
     before = _form_steps(server)
     for n in (200, 400):
         prompt = [rng.randrange(5, 600) for _ in range(n)]
-        body = {
-            "model": server.model,
-            "prompt": prompt,
-            "max_tokens": MAX_NEW,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        response = server.post("/v1/completions", body)
-        assert response.status_code == 200, response.text
-        got = response.json()["choices"][0]["token_ids"]
+        got = server.greedy_completion(prompt, MAX_NEW)["choices"][0]["token_ids"]
         want, logits = hf_greedy_steps(server.model, prompt, MAX_NEW, torch.bfloat16)
         tally.add(f"{n} tokens", compare_greedy_bf16(got, want, logits))
     after = _form_steps(server)

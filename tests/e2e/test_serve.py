@@ -64,17 +64,27 @@ class Server:
             {"type": "image_url", "image_url": {"url": png_data_url(im)}}
             for im in images
         ]
+        content = [*parts, {"type": "text", "text": text}]
+        messages = [{"role": "user", "content": content}]
+        return self._greedy("/v1/chat/completions", max_tokens, messages=messages)
+
+    def greedy_completion(
+        self, prompt: str | list[int], max_tokens: int, **extra: Any
+    ) -> dict[str, Any]:
+        """A greedy completion (eos ignored, token ids returned) of ``prompt``;
+        ``extra`` fields join the request body."""
+        return self._greedy("/v1/completions", max_tokens, prompt=prompt, **extra)
+
+    def _greedy(self, path: str, max_tokens: int, **fields: Any) -> dict[str, Any]:
         body = {
             "model": self.model,
-            "messages": [
-                {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
-            ],
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
             "return_token_ids": True,
+            **fields,
         }
-        response = self.post("/v1/chat/completions", body)
+        response = self.post(path, body)
         assert response.status_code == 200, response.text
         return dict(response.json())
 
@@ -242,18 +252,7 @@ def _sse_events(response: Any) -> list[dict[str, Any]]:
 
 
 def _completion(server: Server, prompt: str | list[int], **extra: Any) -> Any:
-    body = {
-        "model": server.model,
-        "prompt": prompt,
-        "max_tokens": MAX_NEW,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **extra,
-    }
-    response = server.post("/v1/completions", body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return server.greedy_completion(prompt, MAX_NEW, **extra)
 
 
 def _chat(server: Server, **extra: Any) -> Any:

@@ -252,7 +252,10 @@ def _sse_events(response: Any) -> list[dict[str, Any]]:
 
 
 def _completion(server: Server, prompt: str | list[int], **extra: Any) -> Any:
-    return server.greedy_completion(prompt, MAX_NEW, **extra)
+    """A greedy completion of ``MAX_NEW`` tokens unless ``extra`` says
+    ``max_tokens``; other ``extra`` fields join the body."""
+    max_tokens = extra.pop("max_tokens", MAX_NEW)
+    return server.greedy_completion(prompt, max_tokens, **extra)
 
 
 def _chat(server: Server, **extra: Any) -> Any:

@@ -314,14 +314,18 @@ def causal_prefill_attention(
         return _window_tiles(q, k, v, scale, sliding_window, sdpa, window_tile)
     mask = None
     if sliding_window is not None:
-        q_pos = torch.arange(num_tokens, device=query.device)[:, None]
-        k_pos = q_pos.view(1, num_tokens)
-        window = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)  # [T, T] bool
-        mask = window[None, None]
+        pos = torch.arange(num_tokens, device=query.device)
+        mask = _in_window(pos[:, None], pos[None, :], sliding_window)[None, None]
     out = sdpa(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
     )
     return out[0].transpose(0, 1)
+
+
+def _in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal and inside a sliding window of ``window`` positions (the query's
+    own included), broadcast over the two position tensors."""
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
 def _window_tiles(
@@ -354,7 +358,7 @@ def _window_tiles(
     col = torch.arange(width, device=device)[None, None, :]  # [1, 1, W']
     first = torch.arange(num_tiles, device=device)[:, None, None] * tile  # [NT, 1, 1]
     q_pos, k_pos = first + row, first + col - front  # [NT, tq, 1], [NT, 1, W']
-    mask = (k_pos <= q_pos) & (k_pos > q_pos - window) & (k_pos >= 0)
+    mask = _in_window(q_pos, k_pos, window) & (k_pos >= 0)
     out = sdpa(
         qt.transpose(0, 1),  # [NT, H, tq, D]
         windows(k),

@@ -88,7 +88,8 @@ def _sdpa_cpu_flops(
     square = int(sdpa_flop_count((b, hq, sq, d), k_shape, v_shape))
     if not is_causal:
         return square
-    reached = sum(min(i + 1, sk) for i in range(sq))
+    m = min(sq, sk)  # rows below the last key column: 1, 2, ..., m keys
+    reached = m * (m + 1) // 2 + (sq - m) * sk
     return square * reached // (sq * sk)
 
 

@@ -194,9 +194,7 @@ def count_step(
     if not prefill_forms:
         exact = dataclasses.replace(exact, prefill_form="tiles")
     limits = Limits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
-    policy = ShapePolicy(
-        default_buckets(limits, "exponential"), prefill_forms=prefill_forms
-    )
+    policy = ShapePolicy(default_buckets(limits, "exponential"))
     bucket, _ = policy(exact, len(ql))
     torch.manual_seed(seed)
     impl = static_impl(m)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +145,13 @@ def step_shapes(
     return decode, prefill
 
 
+OneRequestForm = Literal["request", "causal"]
+"""The one-request forms of ``attention.layout.PrefillForm``."""
+
+
 def one_request_shapes(
     buckets: BucketSet, limits: Limits, prefill_tile: int = PREFILL_TILE
-) -> list[tuple[int, int, str]]:
+) -> list[tuple[int, int, OneRequestForm]]:
     """The graph keys of prefill parts of one request above one tile
     (``attention.layout.PrefillForm``), as ``(tokens, prefill blocks, form)``:
     for each token bucket T that can hold more than ``prefill_tile`` rows, a
@@ -156,7 +160,7 @@ def one_request_shapes(
     read (its rows' blocks up to one full-length request's)."""
     bs = limits.block_size
     pre = buckets.prefill_blocks
-    out: list[tuple[int, int, str]] = []
+    out: list[tuple[int, int, OneRequestForm]] = []
     for t in buckets.tokens:
         rows = max(_prev(buckets.tokens, t) + 1, prefill_tile + 1)
         if rows > t:

@@ -80,7 +80,8 @@ class ShapePolicy:
         self.buckets = buckets
         # The served steps' exact shapes, for the planner (bucketing.record_steps).
         self.recorder = recorder
-        # The step_shape histogram: set by ``start_serving`` on the first rank.
+        # The step_shape histogram and the prefill-form counter: set by
+        # ``start_serving`` on the first rank.
         self.observing = False
         self.decode_form: DecodeForm = decode_form
         self.bucketer = (
@@ -97,7 +98,7 @@ class ShapePolicy:
     def __call__(self, exact: StepShape, num_reqs: int) -> tuple[StepShape, int]:
         if not self.prefill_forms and exact.prefill_form != "tiles":
             exact = dataclasses.replace(exact, prefill_form="tiles")
-        if exact.num_prefill_tokens and first_rank():
+        if exact.num_prefill_tokens and self.observing:
             metrics.PREFILL_FORM_STEPS.labels(form=exact.prefill_form).inc()
         if exact.prefill_form == "causal":
             # its gather covers the bucket's rows: no prefill block axis to

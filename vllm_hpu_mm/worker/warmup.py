@@ -145,16 +145,15 @@ def warm_up(runner: HpuMMModelRunner) -> None:
         return
     hidden_size = runner.model_config.get_hidden_size()
     dtype: torch.dtype = runner.model_config.dtype  # type: ignore[assignment]
-    decode, prefill = step_shapes(
-        buckets, engine_limits(runner.vllm_config), runner.shapes.decode_form
-    )
+    limits = engine_limits(runner.vllm_config)
+    decode, prefill = step_shapes(buckets, limits, runner.shapes.decode_form)
     if graphs.plan.opaque_attention:  # graphs keyed by token rows: one shape per count
         decode, prefill = token_shapes(decode, prefill)
     work: list[StepShape | int] = [StepShape(b, n, 0, 0) for b, n in decode]
     work += [StepShape(0, 0, t, n) for t, n in prefill]
     if runner.shapes.prefill_forms:  # one-request prefill parts: graphs of their own
-        one = one_request_shapes(buckets, engine_limits(runner.vllm_config))
-        work += [StepShape(0, 0, t, n, form) for t, n, form in one]  # type: ignore[arg-type]
+        one = one_request_shapes(buckets, limits)
+        work += [StepShape(0, 0, t, n, form) for t, n, form in one]
         prefill = prefill + [(t, n) for t, n, _ in one]
     if runner.stage.is_last:  # logits and sampling: the last pipeline stage's
         work += list(buckets.batch)
